@@ -1,0 +1,76 @@
+"""Configuration: one dataclass per workload, turned into an argparse parser with help on every flag.
+
+Fields become kebab-case flags (`max_steps` -> `--max-steps`); `metadata={"help": ..., "choices": ...}`
+gives the help text and allowed values; booleans become `--flag/--no-flag`. Misuse exits with status
+2 and one line: `python -m gan.train: error: ...`.
+"""
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one readable line and exit status 2, no usage dump
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(2)
+
+
+def flag(default, help: str, **metadata):
+    """A dataclass field with the help text (and optional choices) its flag shows."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
+def parse(config_class, argv=None, prog=None, description=None):
+    """Parse argv into a `config_class`; call its `check()` (if any) and turn ValueError into exit 2."""
+    parser = _Parser(prog=prog, description=description,
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(config_class):
+        name = "--" + f.name.replace("_", "-")
+        kwargs = {"default": f.default, "help": f.metadata.get("help", "")}
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        if f.type in (bool, "bool"):
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__)
+        if f.metadata.get("type"):
+            kind = f.metadata["type"]
+        parser.add_argument(name, type=kind or str, **kwargs)
+    config = config_class(**vars(parser.parse_args(argv)))
+    try:
+        if hasattr(config, "check"):
+            config.check()
+    except ValueError as error:
+        parser.error(str(error))
+    return config
+
+
+def error_exit(prog: str, message: str):
+    """Report bad input found after parsing (a missing data root, an incompatible resume) like argparse."""
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    sys.exit(2)
+
+
+@dataclass
+class RunConfig:
+    """The flags every workload shares, under the same names."""
+    seed: int = flag(0, "random seed (weights, data order, noise)")
+    max_steps: int = flag(1000, "optimizer steps to train for (meta-iterations for metalearn)")
+    batch_size: int = flag(64, "examples per step on each process")
+    out: str = flag("", "run directory (metrics, checkpoints, plots); default runs/<workload>-<time>")
+    resume: str = flag("", "continue a run exactly: a run directory or a checkpoint file")
+    checkpoint_every: int = flag(0, "save checkpoints/last.ckpt every N steps (0: only at the end)")
+    dataset: str = flag("digits", "dataset name")
+    data_root: str = flag("data", "folder that holds (or receives, with --download) the dataset files")
+    download: bool = flag(False, "download the dataset into --data-root if it is missing (needs internet)")
+    num_workers: int = flag(0, "DataLoader worker processes")
+    log_every: int = flag(50, "write metrics every N steps")
+
+    def check(self):
+        for name in ("max_steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("checkpoint_every", "num_workers", "log_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")

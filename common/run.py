@@ -1,0 +1,144 @@
+"""The run directory and the step loop's bookkeeping: metrics, summary, resume, data order, preemption.
+
+A run directory holds `config.json`, `metrics.jsonl` (one JSON object per log step), `summary.json`,
+`checkpoints/last.ckpt` and the workload's plots. Data order is a pure function of (seed, epoch), so a
+run resumed at step s sees exactly the batches an uninterrupted run would have seen.
+"""
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+# Fields that do not change what is computed: they may differ between a run and its resume.
+RESUMABLE_CHANGES = {"out", "resume", "max_steps", "checkpoint_every", "log_every", "num_workers", "data_root",
+                     "download", "devices", "num_nodes", "strategy", "accelerator"}
+
+
+class RunDir:
+    def __init__(self, out: str, workload: str, write: bool = True):
+        self.path = Path(out or f"runs/{workload}-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.write = write  # False on every rank but 0
+        if write:
+            try:
+                (self.path / "checkpoints").mkdir(parents=True, exist_ok=True)
+                probe = self.path / ".write-test"
+                probe.write_text("")
+                probe.unlink()
+            except OSError as error:
+                raise ValueError(f"cannot write to the run directory {self.path} ({error.strerror}); "
+                                 f"pass a writable --out") from None
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.path / "checkpoints" / "last.ckpt"
+
+    def log(self, record: dict) -> None:
+        if self.write:
+            with open(self.path / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def write_json(self, name: str, data: dict) -> None:
+        if self.write:
+            tmp = self.path / f".{name}.tmp"
+            tmp.write_text(json.dumps(data, indent=2) + "\n")
+            os.replace(tmp, self.path / name)
+
+    def metrics(self) -> list[dict]:
+        path = self.path / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def truncate_metrics(self, step: int) -> None:
+        """On resume, drop records written after the checkpoint, so metrics.jsonl has each step once."""
+        if self.write:
+            kept = [r for r in self.metrics() if r["step"] <= step]
+            with open(self.path / "metrics.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+
+    def plot_losses(self, keys, name: str = "losses.png") -> None:
+        if not self.write:
+            return
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        records = self.metrics()
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if key in r]
+            if points:
+                ax.plot(*zip(*points), label=key)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(self.path / name, dpi=100)
+        plt.close(fig)
+
+
+def resume_path(resume: str) -> Path:
+    """`--resume` takes a run directory or a checkpoint file."""
+    path = Path(resume)
+    if path.is_dir():
+        path = path / "checkpoints" / "last.ckpt"
+    if not path.is_file():
+        raise ValueError(f"--resume {resume}: no checkpoint at {path}")
+    return path
+
+
+def check_resume_config(checkpoint: Path, config) -> None:
+    """Refuse to resume a run whose config.json differs in a field that changes what is computed."""
+    saved_path = checkpoint.parent.parent / "config.json"
+    if not saved_path.is_file():
+        return  # a checkpoint copied out of its run directory: the model's shapes are still checked on load
+    saved = json.loads(saved_path.read_text())
+    current = dataclasses.asdict(config)
+    differ = [f"{key} (checkpoint {saved[key]!r}, now {current[key]!r})" for key in current
+              if key in saved and key not in RESUMABLE_CHANGES and saved[key] != current[key]]
+    if differ:
+        raise ValueError("cannot resume: the checkpoint's run used other settings for " + ", ".join(differ) +
+                         ". Pass the same flags, or start a new run.")
+
+
+def batches(loader, start_step: int = 0):
+    """Yield (step, batch) without end, from `start_step` on. Each epoch's order comes from the
+    DistributedSampler's (seed, epoch), so resuming skips to the right batch of the right epoch."""
+    epoch, skip = divmod(start_step, len(loader))
+    step = start_step
+    for epoch in itertools.count(epoch):
+        loader.sampler.set_epoch(epoch)
+        for batch in itertools.islice(loader, skip, None):
+            yield step, batch
+            step += 1
+        skip = 0
+
+
+class Preemption:
+    """SIGTERM (preemption, `scancel`, `kill`) sets a flag; the loop checkpoints at the next step and exits 0."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+
+def check_finite(loss, step: int, checkpoint: Path) -> None:
+    if not bool(loss.isfinite().all()):
+        raise FloatingPointError(f"the loss is not finite at step {step} ({loss.item()}); stopping without "
+                                 f"saving. The last good checkpoint is {checkpoint}: resume from it with a lower "
+                                 f"learning rate or another seed.")
+
+
+def step_generator(seed: int, rank: int, step: int) -> "torch.Generator":
+    """A CPU generator for the random draws of one step on one rank, a pure function of (seed, rank, step):
+    a resumed run draws exactly the noise the uninterrupted run drew, with no RNG state to save."""
+    import torch
+    return torch.Generator().manual_seed(hash((seed, rank, step)) & (2**63 - 1))
+
+
+def write_config(run: RunDir, config) -> None:
+    run.write_json("config.json", dataclasses.asdict(config))

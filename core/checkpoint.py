@@ -1,0 +1,80 @@
+"""Checkpoint files: atomic writes, safe reads, and errors that say what does not match.
+
+A checkpoint is one `torch.save` file: {"format": FORMAT, "version": 1, "state": {...}}. It is written
+to a temporary file beside the target, flushed to disk and renamed over it, so a crash mid-write
+leaves the previous checkpoint intact. It is read with `weights_only=True`: a file that would need
+arbitrary pickled objects to load is refused, and nothing in it is executed.
+"""
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+
+FORMAT = "core-checkpoint"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, corrupt, foreign, unsafe, or not matching the run."""
+
+
+def atomic_save(obj, path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(state: dict, path) -> None:
+    atomic_save({"format": FORMAT, "version": 1, "state": state}, path)
+
+
+def load_checkpoint(path) -> dict:
+    """Read a checkpoint written by `save_checkpoint`; every failure is a CheckpointError that says why."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"No checkpoint file at {path}" + (" (it is a directory)" if path.is_dir() else "") + ".")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{path} holds pickled objects that are not plain tensors and containers, so it was refused "
+            f"without running any of it (weights_only loading). Only load files you trust; the refused "
+            f"content was: {str(error).splitlines()[0][:200]}") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as error:
+        raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt: {error}). "
+                              f"Resume from an earlier checkpoint.") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f"{path} was not written by core's Fabric.save (no {FORMAT!r} marker). Load it "
+                              f"with torch.load and copy the tensors into your model yourself.")
+    return data["state"]
+
+
+def check_state_dict(module: torch.nn.Module, state: dict, name: str, strict: bool = True) -> None:
+    """Raise a CheckpointError listing every missing, unexpected or mis-shaped key."""
+    expected = module.state_dict()
+    problems = []
+    for key, value in state.items():
+        if key in expected and hasattr(value, "shape") and tuple(value.shape) != tuple(expected[key].shape):
+            problems.append(f"{key}: checkpoint {tuple(value.shape)} vs model {tuple(expected[key].shape)}")
+    if strict:
+        problems += [f"{key}: missing from the checkpoint" for key in expected if key not in state]
+        problems += [f"{key}: not in the model" for key in state if key not in expected]
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise CheckpointError(f"The checkpoint's {name!r} does not match the model: {shown}. Was it saved "
+                              f"from a model of another shape or configuration?")

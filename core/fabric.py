@@ -1,0 +1,495 @@
+"""The Fabric object: one `setup()` for models, optimizers and data loaders under any strategy.
+
+    fabric = Fabric(strategy="ddp", devices=2, precision="bf16-mixed")
+    fabric.launch()
+    generator, optimizer_g = fabric.setup(generator, optimizer_g)
+    discriminator, optimizer_d = fabric.setup(discriminator, optimizer_d, broadcast_buffers=False)
+    loader = fabric.setup_dataloaders(loader)
+    fabric.backward(loss)
+"""
+import os
+import weakref
+from contextlib import ExitStack, contextmanager
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from core import checkpoint, launcher
+from core.precision import Precision
+from core.seed import seed_everything
+from core.strategies import DDP, STRATEGIES, SingleDevice, frozen_parameters
+from core.wrappers import FabricDataLoader, FabricModule, FabricOptimizer, wrap_optimizer
+
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
+
+
+def _make_strategy(name: str, device: torch.device, precision: Precision, options: dict):
+    if name == "single":
+        return SingleDevice(device, precision, **options)
+    if name in ("ddp", "ddp_spawn"):
+        return DDP(device, precision, **options)
+    if name == "fsdp":
+        from core.fsdp import FSDP
+        return FSDP(device, precision, **options)
+    from core.deepspeed import DeepSpeed  # every remaining name is a deepspeed one
+    return DeepSpeed(device, precision, name, **options)
+
+
+class Fabric:
+    """Moves models to the device, applies precision, wraps them for a strategy and wraps their optimizers.
+
+    Args:
+        accelerator: "cpu", "cuda" (or "gpu"), or "auto" (CUDA when available).
+        strategy: one of STRATEGIES; "auto" is "ddp" for several processes and "single" otherwise.
+        devices: processes per node (GPUs, or CPU processes), or "auto".
+        num_nodes: machines; more than one needs torchrun or SLURM to start the processes.
+        precision: "32-true", "bf16-mixed", "16-mixed" or "bf16-true".
+        **strategy_options: defaults for the strategy, e.g. find_unused_parameters=True for ddp,
+            reshard_after_forward=False for fsdp, config=dict-or-json-path for deepspeed.
+    """
+
+    def __init__(self, accelerator: str = "auto", strategy: str = "auto", devices="auto", num_nodes: int = 1,
+                 precision: str = "32-true", **strategy_options):
+        if accelerator not in ACCELERATORS:
+            raise ValueError(f"Unknown accelerator {accelerator!r}. Choose one of: {', '.join(ACCELERATORS)}.")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"Unknown strategy {strategy!r}. Choose one of: {', '.join(STRATEGIES)}.")
+        if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
+            raise RuntimeError(f"accelerator={accelerator!r} but no CUDA device is visible to torch. "
+                               f"Use accelerator='cpu' (or 'auto').")
+        kind = "cuda" if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available()) \
+            else "cpu"
+        env = launcher.cluster_environment()
+        devices = self._check_devices(devices, kind, env)
+        if not isinstance(num_nodes, int) or num_nodes < 1:
+            raise ValueError(f"num_nodes must be a whole number >= 1, got {num_nodes!r}.")
+        if strategy == "auto":
+            strategy = "ddp" if devices * num_nodes > 1 or (env and env["world_size"] > 1) else "single"
+        if strategy == "single" and devices * num_nodes > 1:
+            raise ValueError(f"strategy='single' runs one process, but devices={devices} and num_nodes={num_nodes}. "
+                             f"Use strategy='ddp' (or fsdp, deepspeed) for several.")
+        self._strategy_name = strategy
+        self._devices, self._num_nodes = devices, num_nodes
+        device = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
+        self._precision = Precision(precision, device)
+        self._strategy = _make_strategy(strategy, device, self._precision, strategy_options)
+        if strategy.startswith("fsdp") or strategy.startswith("deepspeed"):
+            self._strategy.check_precision(precision)
+        self._launched = False
+        self._set_up_modules = weakref.WeakSet()
+        self._set_up_optimizers = weakref.WeakSet()
+        self._module_of = {}  # id(wrapped optimizer) -> its FabricModule, for checkpoints and loss scaling
+        self._optimizers_of = {}  # id(FabricModule) -> its wrapped optimizers
+        self._modules = []  # FabricModules, in setup order
+
+    @staticmethod
+    def _check_devices(devices, kind: str, env: dict | None) -> int:
+        available = torch.cuda.device_count() if kind == "cuda" else (os.cpu_count() or 1)
+        if devices == "auto":
+            return env["local_world_size"] if env else (available if kind == "cuda" else 1)
+        if isinstance(devices, str) and devices.isdigit():
+            devices = int(devices)
+        if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+            raise ValueError(f"devices must be a whole number >= 1 or 'auto', got {devices!r}.")
+        if devices > available:
+            what = "CUDA devices" if kind == "cuda" else "CPU cores (one process per core)"
+            raise ValueError(f"devices={devices} but this machine has {available} {what}. Use devices<={available}.")
+        if env and env["local_world_size"] != devices:
+            raise ValueError(f"The launcher started {env['local_world_size']} processes per node but devices="
+                             f"{devices}. Pass devices={env['local_world_size']} (or 'auto').")
+        return devices
+
+    # --- launching --------------------------------------------------------------------------------
+    def launch(self, fn=None, *args, **kwargs):
+        """Start the processes of the run. With `fn`, run `fn(fabric, *args)` and return its result."""
+        if self._launched:
+            raise RuntimeError("fabric.launch() was called twice; call it once, at the start of the run.")
+        if self._strategy_name == "ddp_spawn":
+            if fn is None:
+                raise ValueError("strategy='ddp_spawn' runs a function in new processes: call fabric.launch(fn).")
+            self._launched = True
+            return launcher.spawn(fn, self._devices, self, args, kwargs)
+        if self._strategy.distributed:
+            env = launcher.cluster_environment()
+            if env is None:
+                if self._num_nodes > 1:
+                    raise RuntimeError(f"num_nodes={self._num_nodes} needs an outside launcher: on each node run "
+                                       f"`torchrun --nnodes {self._num_nodes} --nproc-per-node {self._devices} "
+                                       f"--node-rank R --master-addr HOST script.py ...` (or srun under SLURM).")
+                env = launcher.rerun_for_other_ranks(self._devices) if self._devices > 1 else self._solo_env()
+            else:
+                launcher.watch_parent()
+            self._start_distributed(env)
+        self._launched = True
+        return fn(self, *args, **kwargs) if fn is not None else None
+
+    @staticmethod
+    def _solo_env() -> dict:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(launcher.free_port()))
+        return {"global_rank": 0, "local_rank": 0, "world_size": 1, "node_rank": 0, "local_world_size": 1}
+
+    def _start_distributed(self, env: dict) -> None:
+        expected = self._devices * self._num_nodes
+        if env["world_size"] != expected:
+            raise RuntimeError(f"The launcher started {env['world_size']} processes, but devices={self._devices} x "
+                               f"num_nodes={self._num_nodes} = {expected}. Make them agree.")
+        self._strategy.setup_environment(env)
+        self._precision.device_type = self._strategy.device.type
+        self._launched = True
+
+    def _check_launched(self) -> None:
+        if not self._launched and self._strategy.distributed:
+            raise RuntimeError(
+                f"strategy={self._strategy_name!r} with {self._devices * self._num_nodes} process(es) needs the "
+                f"processes started first: call `fabric.launch()` before setup, or `fabric.launch(fn)`, or start "
+                f"the script with torchrun.")
+
+    # --- setup -------------------------------------------------------------------------------------
+    def setup(self, module: nn.Module, *optimizers, scheduler=None, move_to_device: bool = True, **module_options):
+        """Set up a module with its optimizers (and scheduler). Returns the module alone, or
+        (module, *optimizers), or (module, *optimizers, scheduler). `module_options` go to this
+        module's strategy wrapper only (e.g. broadcast_buffers=False for DDP)."""
+        self._check_launched()
+        self._check_module(module)
+        self._check_optimizers(optimizers)
+        if scheduler is not None and not optimizers:
+            raise ValueError("A scheduler was passed to setup without any optimizer; pass the optimizer it "
+                             "schedules too: setup(model, optimizer, scheduler=scheduler).")
+        self._check_ownership(module, optimizers)
+        module = self._prepare(module, move_to_device)
+        forward_module, optimizers = self._strategy.setup_module_and_optimizers(module, list(optimizers),
+                                                                                **module_options)
+        wrapped = self._register_module(forward_module, module)
+        wrapped_optimizers = [self._register_optimizer(opt, wrapped) for opt in optimizers]
+        outputs = [wrapped, *wrapped_optimizers] + ([scheduler] if scheduler is not None else [])
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def setup_module(self, module: nn.Module, move_to_device: bool = True, **module_options) -> FabricModule:
+        """Set up a module alone; create its optimizer from the returned module's parameters afterwards."""
+        self._check_launched()
+        if self._strategy.joint_setup:
+            raise RuntimeError(f"The {self._strategy_name!r} strategy does not support setting up the module and "
+                               f"optimizer(s) independently: model and optimizers must be set up jointly. Use "
+                               f"`fabric.setup(model, *optimizers)`.")
+        self._check_module(module)
+        module = self._prepare(module, move_to_device)
+        return self._register_module(self._strategy.setup_module(module, **module_options), module)
+
+    def setup_optimizers(self, *optimizers):
+        """Wrap optimizers built from the parameters of modules returned by setup_module."""
+        if self._strategy.joint_setup:
+            raise RuntimeError(f"The {self._strategy_name!r} strategy does not support setting up the module and "
+                               f"optimizer(s) independently: model and optimizers must be set up jointly. Use "
+                               f"`fabric.setup(model, *optimizers)`.")
+        if not optimizers:
+            raise ValueError("`setup_optimizers` requires at least one optimizer.")
+        self._check_optimizers(optimizers)
+        wrapped = []
+        for opt in optimizers:
+            owner = self._owner_module(opt)
+            self._strategy.check_optimizer(opt, owner)
+            wrapped.append(self._register_optimizer(opt, owner))
+        return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
+
+    def setup_dataloaders(self, *dataloaders, use_distributed_sampler: bool = True, move_to_device: bool = True):
+        """Shard each loader across processes (DistributedSampler) and move its batches to the device."""
+        if not dataloaders:
+            raise ValueError("`setup_dataloaders` requires at least one dataloader.")
+        wrapped = []
+        for loader in dataloaders:
+            if isinstance(loader, FabricDataLoader):
+                raise ValueError("A dataloader should be passed only once to the `setup_dataloaders` method.")
+            if not isinstance(loader, DataLoader):
+                raise TypeError(f"setup_dataloaders takes torch DataLoaders, got {type(loader).__name__}.")
+            if use_distributed_sampler and self.world_size > 1:
+                loader = self._shard(loader)
+            move = self.to_device if move_to_device and self.device.type != "cpu" else None
+            wrapped.append(FabricDataLoader(loader, move))
+        return wrapped[0] if len(wrapped) == 1 else wrapped
+
+    def _shard(self, loader: DataLoader) -> DataLoader:
+        sampler = loader.sampler
+        if isinstance(sampler, DistributedSampler):
+            if sampler.num_replicas == self.world_size and sampler.rank == self.global_rank:
+                return loader
+            shuffle, seed = sampler.shuffle, sampler.seed
+        elif isinstance(sampler, (RandomSampler, SequentialSampler)):
+            shuffle = isinstance(sampler, RandomSampler)
+            seed = loader.generator.initial_seed() if loader.generator is not None else 0
+        else:
+            raise ValueError(f"setup_dataloaders cannot shard a {type(sampler).__name__}: pass "
+                             f"use_distributed_sampler=False and give each process its own part of the data.")
+        if loader.batch_size is None:
+            raise ValueError("setup_dataloaders cannot shard a loader built with batch_sampler: build it with "
+                             "batch_size, or pass use_distributed_sampler=False and shard it yourself.")
+        new_sampler = DistributedSampler(loader.dataset, num_replicas=self.world_size, rank=self.global_rank,
+                                         shuffle=shuffle, seed=seed, drop_last=loader.drop_last)
+        extra = {"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}
+        return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=new_sampler,
+                          num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                          pin_memory=loader.pin_memory, drop_last=loader.drop_last, timeout=loader.timeout,
+                          worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+                          persistent_workers=loader.persistent_workers, **extra)
+
+    def _check_module(self, module) -> None:
+        if isinstance(module, FabricModule):
+            raise ValueError("A model should be passed only once to the `setup` method: this one is already "
+                             "set up. Pass the original module, or keep using the set-up one.")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"setup takes an nn.Module first, got {type(module).__name__}.")
+        if module in self._set_up_modules:
+            raise ValueError(f"A model should be passed only once to the `setup` method: this "
+                             f"{type(module).__name__} was set up already; use the module setup returned.")
+
+    def _check_optimizers(self, optimizers) -> None:
+        for opt in optimizers:
+            if isinstance(opt, FabricOptimizer) or opt in self._set_up_optimizers:
+                raise ValueError("An optimizer should be passed only once to the `setup` method.")
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"Expected torch.optim.Optimizer objects, got {type(opt).__name__}.")
+
+    @staticmethod
+    def _check_ownership(module: nn.Module, optimizers) -> None:
+        own = {id(p) for p in module.parameters()}
+        for i, opt in enumerate(optimizers):
+            foreign = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in own)
+            if foreign:
+                raise ValueError(f"Optimizer {i} ({type(opt).__name__}) has {foreign} parameter(s) that do not "
+                                 f"belong to the {type(module).__name__} it is set up with. Set each optimizer up "
+                                 f"with the module whose parameters it updates, or group the models under one "
+                                 f"nn.Module.")
+
+    def _owner_module(self, optimizer) -> FabricModule:
+        params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for wrapped in self._modules:
+            if params & {id(p) for p in wrapped.parameters()}:
+                return wrapped
+        raise ValueError(
+            f"{type(optimizer).__name__} updates no parameter of any module returned by setup_module. Create "
+            f"the optimizer after setup_module, from the returned module's parameters: "
+            f"`model = fabric.setup_module(model); optimizer = Adam(model.parameters())`.")
+
+    def _prepare(self, module: nn.Module, move_to_device: bool) -> nn.Module:
+        self._set_up_modules.add(module)
+        if move_to_device and self._strategy.moves_module:
+            module = module.to(self.device)
+        return self._precision.convert_module(module)
+
+    def _register_module(self, forward_module, module) -> FabricModule:
+        wrapped = FabricModule(forward_module, module, self._precision,
+                               guard=self._strategy.guard_submodules and forward_module is not module)
+        self._modules.append(wrapped)
+        self._optimizers_of[id(wrapped)] = []
+        return wrapped
+
+    def _register_optimizer(self, optimizer, module: FabricModule) -> FabricOptimizer:
+        self._set_up_optimizers.add(optimizer)
+        self._precision.add_optimizer(optimizer)
+        strategy, precision = self._strategy, self._precision
+        if precision.is_default and type(strategy) in (SingleDevice, DDP):
+            step = optimizer.step  # nothing to add on the way
+        else:
+            def step(closure=None):
+                return strategy.optimizer_step(optimizer, module, **({"closure": closure} if closure else {}))
+        wrapped = wrap_optimizer(optimizer, step)
+        self._module_of[id(wrapped)] = module
+        self._optimizers_of[id(module)].append(wrapped)
+        return wrapped
+
+    # --- training step -----------------------------------------------------------------------------
+    def backward(self, tensor: torch.Tensor, *args, model: FabricModule | None = None, **kwargs) -> None:
+        """`tensor.backward(*args, **kwargs)` through the strategy and precision (create_graph,
+        retain_graph pass through). `model` says which set-up model this loss is for, where the
+        strategy needs to know (DeepSpeed engines, 16-mixed scalers) and the graph alone does not say."""
+        needs_owner = self._strategy.backward_needs_module or len(self._precision.scalers) > 1
+        if not needs_owner:
+            if self._precision.scalers:
+                tensor = self._precision.scale_loss(tensor, next(iter(self._precision.scalers)))
+            return self._strategy.backward(tensor, model, *args, **kwargs)
+        module = model if model is not None else self._module_of_loss(tensor)
+        if self._precision.scalers:
+            optimizers = self._optimizers_of.get(id(module), [])
+            if len(optimizers) != 1:
+                raise ValueError(f"16-mixed keeps one loss scale per optimizer, and the model this loss is for has "
+                                 f"{len(optimizers)} optimizers; set up one optimizer per model under 16-mixed.")
+            tensor = self._precision.scale_loss(tensor, id(optimizers[0].optimizer))
+        return self._strategy.backward(tensor, module, *args, **kwargs)
+
+    def _module_of_loss(self, loss: torch.Tensor) -> FabricModule:
+        """The one set-up module whose trainable parameters this loss reaches, found in its autograd graph."""
+        if len(self._modules) == 1:
+            return self._modules[0]
+        leaves, seen, stack = set(), set(), [loss.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            variable = getattr(fn, "variable", None)
+            if variable is not None:
+                leaves.add(id(variable))
+            stack.extend(next_fn for next_fn, _ in fn.next_functions)
+        owners = [m for m in self._modules if any(id(p) in leaves for p in m.parameters())]
+        if len(owners) == 1:
+            return owners[0]
+        names = ", ".join(type(m.module).__name__ for m in owners) or "none"
+        raise ValueError(f"Cannot tell which set-up model this loss is for: it reaches the parameters of {names}. "
+                         f"Pass it: `fabric.backward(loss, model=generator)`, or exclude the other model with "
+                         f"`with fabric.frozen(discriminator): ...` around its forward.")
+
+    def clip_gradients(self, module: FabricModule, optimizer: FabricOptimizer, clip_val=None, max_norm=None,
+                       norm_type: float = 2.0):
+        """Clip by value or by total norm (returns the norm before clipping)."""
+        if (clip_val is None) == (max_norm is None):
+            raise ValueError("clip_gradients takes exactly one of clip_val or max_norm.")
+        if max_norm is not None:
+            return self._strategy.clip_gradients(module, optimizer.optimizer, max_norm, norm_type)
+        self._precision.unscale_gradients(optimizer.optimizer)
+        torch.nn.utils.clip_grad_value_(module.parameters(), clip_val)
+        return None
+
+    def autocast(self):
+        """The precision's forward context, for code that runs outside a set-up module's forward."""
+        return self._precision.forward_context()
+
+    @contextmanager
+    def no_backward_sync(self, *modules: FabricModule, enabled: bool = True):
+        """Skip gradient synchronisation of these modules (gradient accumulation)."""
+        for m in modules:
+            if not isinstance(m, FabricModule):
+                raise TypeError(f"no_backward_sync takes modules returned by setup, got {type(m).__name__}.")
+        with ExitStack() as stack:
+            if enabled:
+                for m in modules:
+                    stack.enter_context(self._strategy.no_backward_sync(m))
+            yield
+
+    @contextmanager
+    def frozen(self, *modules: FabricModule):
+        """Run set-up modules as fixed functions: no gradients for their parameters and no gradient sync.
+        Gradients still flow through them to their inputs (the generator step of a GAN)."""
+        for m in modules:
+            if not isinstance(m, FabricModule):
+                raise TypeError(f"frozen takes modules returned by setup, got {type(m).__name__}.")
+        for m in modules:
+            m.__dict__["_frozen"] = True
+        try:
+            with frozen_parameters([m.module for m in modules]):
+                yield
+        finally:
+            for m in modules:
+                m.__dict__["_frozen"] = False
+
+    # --- collectives and rank information ----------------------------------------------------------
+    def to_device(self, obj):
+        if isinstance(obj, (torch.Tensor, nn.Module)):
+            return obj.to(self.device)
+        if isinstance(obj, (list, tuple)):
+            moved = [self.to_device(x) for x in obj]
+            return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+        if isinstance(obj, dict):
+            return {k: self.to_device(v) for k, v in obj.items()}
+        return obj
+
+    def print(self, *args, **kwargs) -> None:
+        if self.is_global_zero:
+            print(*args, **kwargs)
+
+    def barrier(self) -> None:
+        self._strategy.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        return self._strategy.broadcast(obj, src)
+
+    def all_reduce(self, data, reduce_op: str = "mean"):
+        if reduce_op not in ("mean", "sum"):
+            raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}.")
+        tensor = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=torch.float64)
+        return self._strategy.all_reduce(tensor.to(self._collective_device), reduce_op)
+
+    def all_gather(self, data):
+        tensor = data if isinstance(data, torch.Tensor) else torch.tensor(data)
+        return self._strategy.all_gather(tensor.to(self._collective_device))
+
+    @property
+    def _collective_device(self):
+        return self.device
+
+    @property
+    def device(self) -> torch.device:
+        return self._strategy.device
+
+    @property
+    def global_rank(self) -> int:
+        return self._strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self._strategy.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        return self._strategy.node_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._strategy.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def strategy(self):
+        return self._strategy
+
+    seed_everything = staticmethod(seed_everything)
+
+    # --- checkpoints -------------------------------------------------------------------------------
+    def save(self, path, state: dict) -> None:
+        """Save set-up modules, optimizers and plain values (numbers, strings, tensors, containers) in
+        one checkpoint, atomically. Every process must call it."""
+        self._strategy.save_checkpoint(path, {key: self._state_of(value) for key, value in state.items()})
+
+    def _state_of(self, value):
+        if isinstance(value, FabricModule):
+            return self._strategy.module_state(value)
+        if isinstance(value, FabricOptimizer):
+            module = self._module_of[id(value)]
+            return {"optimizer": self._strategy.optimizer_state(value.optimizer, module),
+                    "scaler": self._precision.state_dict(value.optimizer)}
+        if isinstance(value, (nn.Module, torch.optim.Optimizer)) or hasattr(value, "state_dict"):
+            return value.state_dict()
+        return value
+
+    def load(self, path, state: dict | None = None, strict: bool = True) -> dict:
+        """Restore `state`'s modules and optimizers in place, and its plain values; return what the
+        checkpoint holds beyond `state` (everything, when `state` is None)."""
+        saved = self._strategy.load_checkpoint(path)
+        if state is None:
+            return saved
+        missing = [key for key in state if key not in saved]
+        if missing and strict:
+            raise checkpoint.CheckpointError(f"The checkpoint {path} has no {missing} (it holds {sorted(saved)}). "
+                                             f"Pass strict=False to load what is there.")
+        for key, value in state.items():
+            if key not in saved:
+                continue
+            if isinstance(value, FabricModule):
+                checkpoint.check_state_dict(value.module, saved[key], key, strict)
+                self._strategy.load_module_state(value, saved[key], strict)
+            elif isinstance(value, FabricOptimizer):
+                self._strategy.load_optimizer_state(value.optimizer, self._module_of[id(value)],
+                                                    saved[key]["optimizer"])
+                value.__dict__.update(state=value.optimizer.state, param_groups=value.optimizer.param_groups)
+                self._precision.load_state_dict(value.optimizer, saved[key]["scaler"])
+            elif isinstance(value, nn.Module):
+                checkpoint.check_state_dict(value, saved[key], key, strict)
+                value.load_state_dict(saved[key], strict=strict)
+            elif hasattr(value, "load_state_dict"):
+                value.load_state_dict(saved[key])
+            else:
+                state[key] = saved[key]
+        return {key: value for key, value in saved.items() if key not in state}

@@ -1,0 +1,122 @@
+"""FSDP strategy on FSDP2 (`torch.distributed.fsdp.fully_shard`): gloo on CPU, NCCL on CUDA.
+
+Each set-up module is sharded in place: submodules of the types named in `wrap_modules` become
+their own shard groups (all-gathered one at a time), then the module itself. Several sharded
+modules in one process are independent (a GAN's generator and discriminator).
+
+Checkpoints hold full (unsharded) state dicts keyed by parameter name, gathered on rank 0, so a run
+saved on N processes resumes on any number of processes. The cost is rank 0 holding the full model
+and optimizer state in CPU memory while saving.
+"""
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from core.strategies import DDP
+
+
+class FSDP(DDP):
+    guard_submodules = False  # FSDP2 hooks live on the module itself, so there is no wrapper to skip
+
+    def __init__(self, device, precision, wrap_modules=(), reshard_after_forward: bool = True,
+                 cpu_offload: bool = False):
+        super().__init__(device, precision)
+        self.wrap_modules = tuple(wrap_modules)
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self._mesh = None
+
+    def check_precision(self, precision: str) -> None:
+        if precision == "16-mixed":
+            raise ValueError("precision='16-mixed' is not supported with strategy='fsdp' (it would need a sharded "
+                             "loss scaler). Use 'bf16-mixed', 'bf16-true' or '32-true'.")
+
+    def setup_module(self, module: nn.Module, **kwargs) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        if self._mesh is None:
+            self._mesh = init_device_mesh(self.device.type, (self.world_size,))
+        options = {"mesh": self._mesh, "reshard_after_forward": kwargs.pop("reshard_after_forward",
+                                                                           self.reshard_after_forward)}
+        if self.precision.precision == "bf16-mixed":
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if kwargs.pop("cpu_offload", self.cpu_offload):
+            options["offload_policy"] = CPUOffloadPolicy()
+        wrap_modules = tuple(kwargs.pop("wrap_modules", self.wrap_modules))
+        if kwargs:
+            raise ValueError(f"Unknown fsdp options {sorted(kwargs)}; it takes wrap_modules, "
+                             f"reshard_after_forward and cpu_offload.")
+        if any(p.device.type == "meta" for p in module.parameters()):
+            raise ValueError("The module has parameters on the meta device; materialise them (to_empty + init) "
+                             "before setup.")
+        for sub in list(module.modules())[1:]:
+            if wrap_modules and isinstance(sub, wrap_modules):
+                fully_shard(sub, **options)
+        fully_shard(module, **options)
+        return module
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, **kwargs):
+        """Shard the module, then point the optimizers at the sharded parameters that replaced theirs."""
+        names = {id(p): name for name, p in module.named_parameters()}
+        for opt in optimizers:
+            if opt.state:
+                raise ValueError("The optimizer has already taken steps; set it up before the first step.")
+        self.setup_module(module, **kwargs)
+        sharded = dict(module.named_parameters())
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        return module, optimizers
+
+    def check_optimizer(self, optimizer, module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        sharded = {id(p) for p in module.parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.device.type == "meta" or not isinstance(p, DTensor) or id(p) not in sharded:
+                    raise ValueError(
+                        "The optimizer was created from parameters that are not the sharded ones (it was built "
+                        "before setup_module, or from meta-device parameters). Either set up jointly with "
+                        "`fabric.setup(model, optimizer)`, or create the optimizer after "
+                        "`model = fabric.setup_module(model)` from `model.parameters()`.")
+
+    @contextmanager
+    def _gradient_sync(self, module, enabled: bool):
+        module.module.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            module.module.set_requires_gradient_sync(True)
+
+    def no_backward_sync(self, module):
+        return self._gradient_sync(module, False)
+
+    def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def module_state(self, wrapped) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        return get_model_state_dict(wrapped.module, options=self._options())
+
+    def load_module_state(self, wrapped, state: dict, strict: bool):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        return set_model_state_dict(wrapped.module, state, options=StateDictOptions(full_state_dict=True,
+                                                                                     strict=strict))
+
+    def optimizer_state(self, optimizer, wrapped_module) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        return get_optimizer_state_dict(wrapped_module.module, optimizer, options=self._options())
+
+    def load_optimizer_state(self, optimizer, wrapped_module, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(wrapped_module.module, optimizer, state,
+                                 options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,183 @@
+"""Starting the processes of a run, and stopping all of them when one dies.
+
+Three ways in:
+- the script was started by torchrun or SLURM: the environment names this process's rank; start nothing;
+- strategy `ddp` (and fsdp, deepspeed): the script re-runs itself (`python -m pkg.mod ...` included)
+  for ranks 1..N-1 and this process becomes rank 0;
+- strategy `ddp_spawn`: `torch.multiprocessing` runs a function in N fresh processes.
+Re-run children watch their parent and rank 0 watches the children, so a dead rank ends the whole
+run within a second, with a message naming it, instead of leaving the others blocked in a collective.
+"""
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+
+def cluster_environment() -> dict | None:
+    """Ranks given by an outside launcher (torchrun or SLURM), or None when the script runs alone."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env:  # torchrun, or our own re-run
+        world_size = int(env["WORLD_SIZE"])
+        local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
+        return {"global_rank": int(env["RANK"]), "local_rank": int(env["LOCAL_RANK"]),
+                "world_size": world_size, "node_rank": int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
+                "local_world_size": local_world_size}
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env and env.get("SLURM_JOB_NAME") != "bash":
+        nodes = env.get("SLURM_JOB_NODELIST", "127.0.0.1")
+        env.setdefault("MASTER_ADDR", _first_slurm_host(nodes))
+        env.setdefault("MASTER_PORT", str(12910 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
+        return {"global_rank": int(env["SLURM_PROCID"]), "local_rank": int(env["SLURM_LOCALID"]),
+                "world_size": int(env["SLURM_NTASKS"]), "node_rank": int(env.get("SLURM_NODEID", 0)),
+                "local_world_size": int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])}
+    return None
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    # "node[01-04],gpu7" -> "node01"; a plain name is returned as is
+    first = nodelist.split(",")[0]
+    if "[" in first:
+        prefix, ranges = first.split("[", 1)
+        first = prefix + ranges.split("-")[0].split(",")[0].rstrip("]")
+    return first
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _this_command() -> list[str]:
+    """The command line that started this process, as `python -m mod` when it was started that way."""
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        name = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
+        return [sys.executable, "-m", name, *sys.argv[1:]]
+    if not getattr(main, "__file__", None):
+        raise RuntimeError("strategy='ddp' re-runs your script for the other ranks, but this process was not "
+                           "started from a script (an interactive session or notebook). Use "
+                           "strategy='ddp_spawn' with fabric.launch(fn), or start the script with torchrun.")
+    return [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]]
+
+
+def _threads_per_process(n: int) -> int:
+    return max(1, (os.cpu_count() or 1) // n)
+
+
+def rerun_for_other_ranks(num_processes: int) -> dict:
+    """Start ranks 1..N-1 as copies of this command; return the environment of rank 0 (this process)."""
+    port = free_port()
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(num_processes),
+            "LOCAL_WORLD_SIZE": str(num_processes), "NODE_RANK": "0", "GROUP_RANK": "0"}
+    os.environ.update(base, RANK="0", LOCAL_RANK="0")
+    threads = os.environ.get("OMP_NUM_THREADS") or str(_threads_per_process(num_processes))
+    command = _this_command()
+    children = {}
+    for rank in range(1, num_processes):
+        env = {**os.environ, **base, "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": threads,
+               "CORE_PARENT_PID": str(os.getpid())}
+        children[rank] = subprocess.Popen(command, env=env)
+    torch.set_num_threads(int(threads))
+    _watch_children(children)
+    return cluster_environment()
+
+
+def _stop(children: dict) -> None:
+    for proc in children.values():
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + 5
+    for proc in children.values():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _watch_children(children: dict) -> None:
+    state = {"failed": False}
+
+    def watch():
+        while True:
+            for rank, proc in children.items():
+                code = proc.poll()
+                if code not in (None, 0):
+                    print(f"[core] rank {rank} exited with code {code}; stopping all ranks.", file=sys.stderr,
+                          flush=True)
+                    _stop(children)
+                    os._exit(1)
+            if all(proc.poll() == 0 for proc in children.values()):
+                return
+            time.sleep(0.2)
+
+    def on_error(kind, value, tb):
+        state["failed"] = True
+        sys.__excepthook__(kind, value, tb)
+
+    def at_exit():  # rank 0 finished: wait for the other ranks, or stop them when rank 0 failed
+        if state["failed"]:
+            _stop(children)
+            return
+        for proc in children.values():
+            proc.wait()
+
+    sys.excepthook = on_error
+    atexit.register(at_exit)
+    threading.Thread(target=watch, daemon=True, name="core-rank-watch").start()
+
+
+def watch_parent() -> None:
+    """In a re-run child: exit as soon as rank 0 (the parent) is gone, instead of hanging in a collective."""
+    parent = os.environ.get("CORE_PARENT_PID")
+    if parent is None:
+        return
+    parent = int(parent)
+
+    def watch():
+        while True:
+            if os.getppid() != parent:
+                print(f"[core] rank {os.environ.get('RANK')}: rank 0 (pid {parent}) is gone; exiting.",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True, name="core-parent-watch").start()
+
+
+def spawn(fn, num_processes: int, fabric, args, kwargs):
+    """strategy='ddp_spawn': run fn(fabric, *args) in N new processes and return rank 0's result."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    queue = mp.get_context("spawn").SimpleQueue()
+    threads = _threads_per_process(num_processes)
+    context = mp.start_processes(_spawned, args=(fn, num_processes, port, threads, fabric, args, kwargs, queue),
+                                 nprocs=num_processes, join=False, start_method="spawn")
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessRaisedException as error:
+        raise RuntimeError(f"rank {error.error_index} failed:\n{error}") from None
+    except mp.ProcessExitedException as error:
+        raise RuntimeError(f"rank {error.error_index} exited with code {error.exit_code}"
+                           f"{' (' + signal.Signals(-error.exit_code).name + ')' if error.exit_code < 0 else ''}; "
+                           f"the other ranks were stopped.") from None
+    return queue.get() if not queue.empty() else None
+
+
+def _spawned(rank, fn, num_processes, port, threads, fabric, args, kwargs, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(num_processes),
+                      LOCAL_WORLD_SIZE=str(num_processes), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.set_num_threads(threads)
+    fabric._start_distributed(cluster_environment())
+    result = fn(fabric, *args, **kwargs)
+    if rank == 0:
+        queue.put(result)

@@ -1,0 +1,91 @@
+"""Precision modes: autocast, input/output casting, and one loss scaler per optimizer for 16-mixed."""
+from contextlib import nullcontext
+
+import torch
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
+           "bf16-true": torch.bfloat16}
+
+
+def _cast_floats(data, dtype):
+    """Cast every floating-point tensor inside nested lists, tuples and dicts to `dtype`."""
+    if isinstance(data, torch.Tensor):
+        return data.to(dtype) if data.is_floating_point() and data.dtype != dtype else data
+    if isinstance(data, (list, tuple)):
+        cast = [_cast_floats(item, dtype) for item in data]
+        return type(data)(*cast) if hasattr(data, "_fields") else type(data)(cast)
+    if isinstance(data, dict):
+        return {key: _cast_floats(value, dtype) for key, value in data.items()}
+    return data
+
+
+class Precision:
+    """What a precision string means for forward, backward and the optimizer step.
+
+    `32-true` does nothing at all, so the single-device fast path stays a plain call. Mixed modes
+    run the forward under `torch.autocast` and hand float32 outputs back; `*-true` modes convert the
+    module and cast float inputs. `16-mixed` keeps one GradScaler per optimizer, so an overflow in
+    one model's backward lowers only that model's loss scale.
+    """
+
+    def __init__(self, precision: str, device: torch.device):
+        if precision not in PRECISIONS:
+            raise ValueError(f"Unknown precision {precision!r}. Choose one of: {', '.join(PRECISIONS)}.")
+        if precision.startswith("bf16") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"precision={precision!r} needs bfloat16, which {torch.cuda.get_device_name(device)}"
+                             " does not support. Use '16-mixed' or '32-true'.")
+        self.precision = precision
+        self.device_type = device.type
+        self.dtype = _DTYPES[precision]
+        self.mixed = precision.endswith("-mixed")  # autocast in forward, float32 outputs
+        self.input_dtype = self.dtype if precision == "bf16-true" else None
+        self.use_scalers = precision == "16-mixed"  # a strategy with its own loss scaling turns this off
+        self.scalers = {}  # id(optimizer) -> torch.amp.GradScaler, 16-mixed only
+
+    @property
+    def is_default(self) -> bool:
+        return self.precision == "32-true"
+
+    def forward_context(self):
+        return torch.autocast(self.device_type, dtype=self.dtype) if self.mixed else nullcontext()
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(self.dtype) if self.precision == "bf16-true" else module
+
+    def convert_input(self, data):
+        return _cast_floats(data, self.input_dtype) if self.input_dtype is not None else data
+
+    def convert_output(self, data):
+        return _cast_floats(data, torch.float32) if self.mixed else data
+
+    def add_optimizer(self, optimizer) -> None:
+        if self.use_scalers:
+            self.scalers[id(optimizer)] = torch.amp.GradScaler(self.device_type)
+
+    def scale_loss(self, loss: torch.Tensor, optimizer_id: int | None) -> torch.Tensor:
+        if not self.scalers:
+            return loss
+        return self.scalers[optimizer_id].scale(loss)
+
+    def unscale_gradients(self, optimizer) -> None:
+        scaler = self.scalers.get(id(optimizer))
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer, **kwargs):
+        scaler = self.scalers.get(id(optimizer))
+        if scaler is None:
+            return optimizer.step(**kwargs)
+        result = scaler.step(optimizer, **kwargs)
+        scaler.update()
+        return result
+
+    def state_dict(self, optimizer) -> dict | None:
+        scaler = self.scalers.get(id(optimizer))
+        return scaler.state_dict() if scaler is not None else None
+
+    def load_state_dict(self, optimizer, state: dict | None) -> None:
+        scaler = self.scalers.get(id(optimizer))
+        if scaler is not None and state:
+            scaler.load_state_dict(state)

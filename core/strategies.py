@@ -1,0 +1,172 @@
+"""Strategies: how a module is wrapped, how gradients are synchronised, how state is saved.
+
+`SingleDevice` is the base; `DDP` adds a process group and DistributedDataParallel. FSDP and
+DeepSpeed live in `core/fsdp.py` and `core/deepspeed.py` and are imported only when chosen.
+"""
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from core import checkpoint
+
+STRATEGIES = ("auto", "single", "ddp", "ddp_spawn", "fsdp", "deepspeed", "deepspeed_stage_1",
+              "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_2_offload", "deepspeed_stage_3_offload")
+
+
+class SingleDevice:
+    """One process, one device. Every other strategy extends this one."""
+
+    distributed = False
+    joint_setup = False  # DeepSpeed needs model and optimizers together
+    guard_submodules = False  # a wrapper that syncs gradients, which a child called directly would skip
+    moves_module = True  # False where the engine places the module itself
+    backward_needs_module = False  # True where backward goes through the module's engine
+
+    def __init__(self, device: torch.device, precision, **options):
+        if options:
+            raise ValueError(f"Options {sorted(options)} need a distributed strategy; strategy='single' takes none.")
+        self.device = device
+        self.precision = precision
+        self.global_rank = self.local_rank = self.node_rank = 0
+        self.world_size = 1
+
+    def setup_environment(self, env: dict | None) -> None:
+        pass
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, **kwargs):
+        forward_module = self.setup_module(module, **kwargs)
+        return forward_module, optimizers
+
+    def setup_module(self, module: nn.Module, **kwargs) -> nn.Module:
+        if kwargs:
+            raise ValueError(f"{type(self).__name__} takes no per-module options, got {sorted(kwargs)}.")
+        return module
+
+    def check_optimizer(self, optimizer, module: nn.Module | None) -> None:
+        pass
+
+    def backward(self, loss: torch.Tensor, module, *args, **kwargs) -> None:
+        loss.backward(*args, **kwargs)
+
+    def optimizer_step(self, optimizer, module, **kwargs):
+        return self.precision.optimizer_step(optimizer, **kwargs)
+
+    def no_backward_sync(self, module) -> "contextmanager":
+        return nullcontext()
+
+    def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0) -> torch.Tensor:
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    # collectives: identities on one process
+    def barrier(self) -> None:
+        pass
+
+    def all_reduce(self, tensor, op: str):
+        return tensor
+
+    def all_gather(self, tensor):
+        return tensor.unsqueeze(0)
+
+    def broadcast(self, obj, src: int = 0):
+        return obj
+
+    # checkpoints: a full state dict in one file, written by rank 0
+    def save_checkpoint(self, path, state: dict) -> None:
+        if self.global_rank == 0:
+            checkpoint.save_checkpoint(state, path)
+        self.barrier()
+
+    def load_checkpoint(self, path) -> dict:
+        return checkpoint.load_checkpoint(path)
+
+    def module_state(self, wrapped) -> dict:
+        return wrapped.module.state_dict()
+
+    def load_module_state(self, wrapped, state: dict, strict: bool):
+        return wrapped.module.load_state_dict(state, strict=strict)
+
+    def optimizer_state(self, optimizer, wrapped_module) -> dict:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer, wrapped_module, state: dict) -> None:
+        optimizer.load_state_dict(state)
+
+    def teardown(self) -> None:
+        pass
+
+
+class DDP(SingleDevice):
+    """DistributedDataParallel: gloo on CPU, NCCL on CUDA. Per-module options (find_unused_parameters,
+    broadcast_buffers, ...) go to that module's DDP wrapper only."""
+
+    distributed = True
+    guard_submodules = True
+
+    def __init__(self, device, precision, **options):
+        self.device = device
+        self.precision = precision
+        self.options = options  # defaults for every module; setup(..., **kwargs) overrides per module
+        self.global_rank = self.local_rank = self.node_rank = 0
+        self.world_size = 1
+
+    def setup_environment(self, env: dict) -> None:
+        self.global_rank, self.local_rank = env["global_rank"], env["local_rank"]
+        self.world_size, self.node_rank = env["world_size"], env["node_rank"]
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        if not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, rank=self.global_rank, world_size=self.world_size,
+                                    device_id=self.device if self.device.type == "cuda" else None)
+
+    def setup_module(self, module: nn.Module, **kwargs) -> nn.Module:
+        if not any(p.requires_grad for p in module.parameters()):
+            return module  # nothing to synchronise; DDP would refuse it
+        options = {**self.options, **kwargs}
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids, **options)
+
+    def no_backward_sync(self, module):
+        forward = module._forward_module
+        return forward.no_sync() if isinstance(forward, DistributedDataParallel) else nullcontext()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_reduce(self, tensor, op: str):
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor / self.world_size if op == "mean" else tensor
+
+    def all_gather(self, tensor):
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(gathered, tensor.contiguous())
+        return torch.stack(gathered)
+
+    def broadcast(self, obj, src: int = 0):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextmanager
+def frozen_parameters(modules):
+    """Turn off requires_grad on every parameter of `modules` that has it, and restore it after."""
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)

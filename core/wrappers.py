@@ -1,0 +1,181 @@
+"""What `Fabric.setup` hands back: a wrapped module, a wrapped optimizer and a wrapped data loader.
+
+Each is thin on purpose: in 32-true on one device, calling the module is calling the original module
+and stepping the optimizer is stepping the original optimizer, so the wrapper costs one Python call.
+"""
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+class FabricModule(nn.Module):
+    """A set-up module. Calling it runs the strategy wrapper (DDP, DeepSpeed engine, ...) under the
+    precision context; `.module` is the original; `state_dict()` has the original's keys."""
+
+    def __init__(self, forward_module: nn.Module, original_module: nn.Module, precision, guard: bool):
+        super().__init__()
+        self._forward_module = forward_module
+        self._original_module = original_module
+        d = self.__dict__  # plain attributes, kept out of nn.Module's bookkeeping for speed
+        d["_precision"] = precision
+        d["_forward_methods"] = set()
+        d["_in_forward"] = False
+        d["_frozen"] = False
+        # In 32-true on one device there is nothing to add: call the module itself.
+        d["_call"] = forward_module if (precision.is_default and forward_module is original_module
+                                         and not guard) else self._wrapped_call
+        if guard:
+            for name, child in original_module.named_children():
+                child.register_forward_pre_hook(_SubmoduleGuard(self, name))
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def _wrapped_call(self, *args, **kwargs):
+        precision = self._precision
+        args, kwargs = precision.convert_input((args, kwargs))
+        target = self._original_module if self._frozen else self._forward_module
+        self.__dict__["_in_forward"] = True
+        try:
+            with precision.forward_context():
+                output = target(*args, **kwargs)
+        finally:
+            self.__dict__["_in_forward"] = False
+        return precision.convert_output(output)
+
+    @property
+    def module(self) -> nn.Module:
+        return self._original_module
+
+    def mark_forward_method(self, name: str) -> None:
+        """Route `wrapped.<name>(...)` through the strategy wrapper, like a call of the module."""
+        if not callable(getattr(self._original_module, name, None)):
+            raise AttributeError(f"{type(self._original_module).__name__} has no method {name!r} to mark.")
+        if name == "forward":
+            raise ValueError("forward already goes through the wrapper; mark other methods only.")
+        self._forward_methods.add(name)
+
+    def _redirected(self, name: str):
+        method = getattr(self._original_module, name)
+
+        def call(*args, **kwargs):
+            original = self._original_module
+            original.forward = method  # the instance attribute shadows the class's forward once
+            try:
+                return self._wrapped_call(*args, **kwargs)
+            finally:
+                del original.forward
+        return call
+
+    def __getattr__(self, name: str):
+        if name in self.__dict__.get("_forward_methods", ()):
+            return self._redirected(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._original_module, name)
+
+    def state_dict(self, *args, **kwargs):
+        return self._original_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+class _SubmoduleGuard:
+    """Forward pre-hook on each child of a module wrapped for gradient sync: a child called outside
+    the wrapper (`ae.encoder(x)`) while gradients are recorded would silently skip the sync."""
+
+    def __init__(self, wrapper: FabricModule, name: str):
+        self.wrapper, self.name = wrapper, name
+
+    def __call__(self, module, args):
+        if torch.is_grad_enabled() and not self.wrapper._in_forward:
+            kind = type(self.wrapper._original_module).__name__
+            raise RuntimeError(
+                f"Submodule {self.name!r} of the set-up {kind} was called outside its distributed wrapper "
+                f"(as `model.{self.name}(x)`, or inside a method that is not marked), so its gradients "
+                f"would not be synchronised across processes. Call the set-up model itself, or route the "
+                f"method through the wrapper with `model.mark_forward_method('name')`. Calls under "
+                f"`torch.no_grad()` are allowed.")
+
+
+class FabricOptimizer:
+    """Mixed into a subclass of the original optimizer's class, so `isinstance(opt, type(original))`
+    holds; the instance shares the original's `param_groups` and `state`, it does not copy them."""
+
+    def __init__(self):  # never called: instances are made by wrap_optimizer
+        raise TypeError("use Fabric.setup_optimizers to wrap an optimizer")
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    def step(self, closure=None):
+        return self._step(closure) if closure is not None else self._step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self._optimizer.load_state_dict(state_dict)
+        self.__dict__["state"] = self._optimizer.state  # load_state_dict rebinds these on the original
+        self.__dict__["param_groups"] = self._optimizer.param_groups
+
+    def add_param_group(self, param_group):
+        self._optimizer.add_param_group(param_group)
+
+    def __repr__(self):
+        return f"Fabric{self._optimizer!r}"
+
+
+_optimizer_classes: dict[type, type] = {}
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, step) -> FabricOptimizer:
+    """Return a FabricOptimizer whose `step(closure)` calls `step`; `optimizer` itself is untouched."""
+    cls = type(optimizer)
+    wrapped_cls = _optimizer_classes.get(cls)
+    if wrapped_cls is None:
+        wrapped_cls = _optimizer_classes[cls] = type(f"Fabric{cls.__name__}", (FabricOptimizer, cls), {})
+    wrapped = wrapped_cls.__new__(wrapped_cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped.__dict__["_optimizer"] = optimizer
+    wrapped.__dict__["_step"] = step
+    return wrapped
+
+
+class FabricDataLoader:
+    """Iterates a DataLoader, calls `set_epoch` on its DistributedSampler at each pass (unless you
+    called it yourself since the last pass) and moves each batch to the device."""
+
+    def __init__(self, loader: DataLoader, move_batch=None):
+        self._loader = loader
+        self._move_batch = move_batch
+        self._epoch = 0
+        self._epoch_set = 0
+
+    def __len__(self):
+        return len(self._loader)
+
+    def __iter__(self):
+        sampler = self._loader.sampler
+        if isinstance(sampler, DistributedSampler):
+            if sampler.epoch == self._epoch_set:
+                sampler.set_epoch(self._epoch)
+            self._epoch_set = sampler.epoch
+            self._epoch = sampler.epoch + 1
+        if self._move_batch is None:
+            yield from self._loader
+        else:
+            for batch in self._loader:
+                yield self._move_batch(batch)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)

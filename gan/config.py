@@ -1,0 +1,19 @@
+"""The GAN's configuration, shared by both variants; `gan/train.py` adds core's flags to it."""
+from dataclasses import dataclass
+
+from common.config import RunConfig, flag
+from gan.data import DATASETS
+
+
+@dataclass
+class Config(RunConfig):
+    dataset: str = flag("digits", "dataset (digits is embedded; fake is for smoke tests)", choices=DATASETS)
+    max_steps: int = flag(1500, "optimizer steps of each model")
+    image_size: int = flag(32, "side of the square images in pixels", choices=(32, 64))
+    nz: int = flag(64, "latent size (the paper's nz)")
+    ngf: int = flag(32, "generator feature maps in its last hidden layer (the paper's ngf)")
+    ndf: int = flag(32, "discriminator feature maps in its first layer (the paper's ndf)")
+    lr: float = flag(2e-4, "Adam learning rate of both models")
+    beta1: float = flag(0.5, "Adam beta1 of both models")
+    sample_every: int = flag(250, "save a sample grid every N steps")
+    eval_samples: int = flag(360, "generated images for the score (the digits held-out size)")

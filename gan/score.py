@@ -1,0 +1,106 @@
+"""An offline quality score: Frechet distance in the feature space of a classifier trained on the real data.
+
+Inception weights cannot be downloaded here, so the features come from a small CNN trained on the
+dataset's own labelled training split (cached under ~/.cache/multimodel-suite). The distance itself
+is torchmetrics' FrechetInceptionDistance with that CNN as its feature extractor. Beside the score
+come its floor (training images vs held-out real images), its ceiling (uniform noise) and the entropy
+of the classes the classifier assigns to generated images (ln 10 = 2.303 when all ten digits appear
+equally often; low values expose mode collapse).
+"""
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+
+class Classifier(nn.Module):
+    """A small CNN for (C, S, S) images in [-1, 1]; `features` is the 128-d penultimate layer."""
+
+    num_features = 128  # read by torchmetrics instead of probing the network with a 299 px image
+
+    def __init__(self, channels: int, num_classes: int, image_size: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 32 x S/2 x S/2
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 64 x S/4 x S/4
+            nn.Flatten(), nn.Linear(64 * (image_size // 4) ** 2, self.num_features), nn.ReLU())
+        self.head = nn.Linear(self.num_features, num_classes)
+
+    def forward(self, images):  # (B, C, S, S) -> (B, 128) features, the FID feature space
+        return self.body(images)
+
+    def logits(self, images):
+        return self.head(self.body(images))
+
+
+def _cache_path(dataset: str, image_size: int) -> Path:
+    root = Path(os.environ.get("SUITE_CACHE", Path.home() / ".cache" / "multimodel-suite"))
+    return root / f"classifier-{dataset}-{image_size}.pt"
+
+
+def train_classifier(train_set, dataset: str, image_size: int, epochs: int = 15, cache: bool = True) -> Classifier:
+    """Train (or load from the cache) the feature classifier on the labelled training split."""
+    labels = torch.as_tensor([int(y) for _, y in train_set])
+    image = train_set[0][0]
+    model = Classifier(image.shape[0], int(labels.max()) + 1, image_size)
+    path = _cache_path(dataset, image_size)
+    if cache and path.is_file():
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return model.eval()
+    generator = torch.Generator().manual_seed(0)
+    loader = DataLoader(train_set, batch_size=64, shuffle=True, generator=generator)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(epochs):
+        for images, targets in loader:
+            loss = F.cross_entropy(model.logits(images), targets)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, path)
+    return model.eval()
+
+
+def _stack(dataset) -> torch.Tensor:
+    return torch.stack([image for image, _ in dataset])
+
+
+@torch.no_grad()
+def frechet_distance(classifier: Classifier, real: torch.Tensor, fake: torch.Tensor) -> float:
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
+    fid = FrechetInceptionDistance(feature=classifier, normalize=True)
+    for chunk in real.split(256):
+        fid.update(chunk.float(), real=True)
+    for chunk in fake.split(256):
+        fid.update(chunk.float(), real=False)
+    return float(fid.compute())
+
+
+@torch.no_grad()
+def class_entropy(classifier: Classifier, images: torch.Tensor) -> float:
+    """Entropy (nats) of the classes predicted for `images`: ln(10) = 2.303 when all ten are equally common."""
+    predicted = torch.cat([classifier.logits(chunk.float()).argmax(1) for chunk in images.split(256)])
+    p = torch.bincount(predicted).double() / len(predicted)
+    p = p[p > 0]
+    return float(-(p * p.log()).sum())
+
+
+def score(generated: torch.Tensor, train_set, test_set, dataset: str, image_size: int) -> dict:
+    """Score `generated` (N, C, S, S) in [-1, 1] against the training images, with floor and ceiling.
+    N should equal the held-out size so that the floor and the score carry the same small-sample bias."""
+    classifier = train_classifier(train_set, dataset, image_size)
+    train, held_out = _stack(train_set), _stack(test_set)
+    noise = torch.rand(held_out.shape, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    return {"fid_classifier": frechet_distance(classifier, train, generated),
+            "fid_real_floor": frechet_distance(classifier, train, held_out),
+            "fid_noise": frechet_distance(classifier, train, noise),
+            "class_entropy": class_entropy(classifier, generated),
+            "class_entropy_max": math.log(10)}

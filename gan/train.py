@@ -1,0 +1,125 @@
+"""DCGAN through core: the same loop as train_torch.py, on any strategy and precision.
+
+    python -m gan.train                                   # embedded digits, one CPU process
+    python -m gan.train --strategy ddp --devices 2        # also fsdp, deepspeed_stage_2, deepspeed_stage_3
+    python -m gan.train --precision bf16-mixed
+
+`sdiff gan/train_torch.py gan/train.py` shows what core replaces.
+"""
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from common.config import error_exit, parse
+from common.run import Preemption, RunDir, batches, check_finite, check_resume_config, resume_path, step_generator
+from common.run import write_config
+from core import CheckpointError, Fabric
+from core.cli import FabricFlags
+from gan.config import Config
+from gan.data import CHANNELS, DatasetNotFound, load_images, make_loader
+from gan.model import Discriminator, Generator
+from gan.report import finish, save_samples
+
+
+@dataclass
+class TrainConfig(Config, FabricFlags):
+    pass
+
+
+def main(config: TrainConfig) -> dict:
+    fabric = Fabric(**config.fabric_options())
+    fabric.launch()
+    rank = fabric.global_rank
+    torch.manual_seed(config.seed)  # the same initial weights on every rank
+    run = RunDir(config.out or config.resume, "gan", write=rank == 0)
+
+    dataset = load_images(config.dataset, config.data_root, config.image_size, download=config.download)
+    loader = fabric.setup_dataloaders(make_loader(dataset, config.batch_size, config.seed, config.num_workers))
+
+    channels = CHANNELS[config.dataset]
+    generator = Generator(config.nz, config.ngf, channels, config.image_size)
+    discriminator = Discriminator(config.ndf, channels, config.image_size)
+    optimizer_g = torch.optim.Adam(generator.parameters(), lr=config.lr, betas=(config.beta1, 0.999))
+    optimizer_d = torch.optim.Adam(discriminator.parameters(), lr=config.lr, betas=(config.beta1, 0.999))
+    generator, optimizer_g = fabric.setup(generator, optimizer_g)
+    # D runs on real and on fake images before one backward; a buffer broadcast in the second
+    # forward would overwrite BatchNorm statistics saved for that backward, so keep buffers local.
+    discriminator, optimizer_d = fabric.setup(discriminator, optimizer_d,
+                                              **({"broadcast_buffers": False} if config.strategy == "ddp" else {}))
+
+    state = {"generator": generator, "discriminator": discriminator, "optimizer_g": optimizer_g,
+             "optimizer_d": optimizer_d, "step": 0}
+    if config.resume:
+        check_resume_config(resume_path(config.resume), config)
+        fabric.load(resume_path(config.resume), state)
+        run.truncate_metrics(state["step"])
+    write_config(run, config)
+
+    def save(path):
+        fabric.save(path, state)
+
+    fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(config.seed))
+    fixed_noise = fabric.to_device(fixed_noise)
+    preemption = Preemption()
+    started = time.time()
+    progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="gan")
+    for step, (real, _) in batches(loader, state["step"]):
+        if step >= config.max_steps or preemption.requested:
+            break
+        noise = torch.randn(real.size(0), config.nz, 1, 1, generator=step_generator(config.seed, rank, step))
+        noise = fabric.to_device(noise)
+
+        # (1) Update D: maximize log D(x) + log(1 - D(G(z)))
+        fake = generator(noise)
+        logits_real, logits_fake = discriminator(real), discriminator(fake.detach())
+        loss_d = (F.binary_cross_entropy_with_logits(logits_real, torch.ones_like(logits_real))
+                  + F.binary_cross_entropy_with_logits(logits_fake, torch.zeros_like(logits_fake)))
+        optimizer_d.zero_grad(set_to_none=True)
+        fabric.backward(loss_d)
+        optimizer_d.step()
+
+        # (2) Update G: maximize log D(G(z)); D is a fixed function here: no D gradients, no D all-reduce
+        with fabric.frozen(discriminator):
+            logits = discriminator(fake)
+        loss_g = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
+        optimizer_g.zero_grad(set_to_none=True)
+        fabric.backward(loss_g)
+        optimizer_g.step()
+
+        state["step"] = step + 1
+        progress.update()
+        if state["step"] % config.log_every == 0 or state["step"] == config.max_steps:
+            check_finite(loss_d + loss_g, step, run.checkpoint)
+            run.log({"step": state["step"], "loss_d": loss_d.item(), "loss_g": loss_g.item(),
+                     "d_real": torch.sigmoid(logits_real).mean().item(),
+                     "d_fake": torch.sigmoid(logits_fake).mean().item()})
+        if state["step"] % config.sample_every == 0:
+            with torch.no_grad():
+                save_samples(run, generator(fixed_noise), state["step"])
+        if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
+            save(run.checkpoint)
+    progress.close()
+    save(run.checkpoint)
+    if preemption.requested:
+        fabric.print(f"Stopped by SIGTERM at step {state['step']}; resume with --resume {run.path}")
+        return {}
+
+    generator.eval()
+    with torch.no_grad():
+        eval_noise = torch.randn(config.eval_samples, config.nz, 1, 1, generator=torch.Generator().manual_seed(1))
+        generated = generator(fabric.to_device(eval_noise))
+        save_samples(run, generator(fixed_noise), state["step"])
+    summary = finish(run, config, generated, started, state["step"])
+    fabric.print(f"Run directory: {run.path}  samples: {run.path / 'samples'}  score: {summary.get('fid_classifier')}")
+    return summary
+
+
+if __name__ == "__main__":
+    config = parse(TrainConfig, prog="python -m gan.train", description=__doc__)
+    try:
+        main(config)
+    except (DatasetNotFound, CheckpointError, ValueError) as error:
+        error_exit("python -m gan.train", str(error))

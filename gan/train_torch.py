@@ -1,0 +1,135 @@
+"""DCGAN in plain PyTorch: one device, or DDP when started by torchrun.
+
+    python -m gan.train_torch
+    torchrun --nproc-per-node 2 -m gan.train_torch
+
+`sdiff gan/train_torch.py gan/train.py` shows what core replaces.
+"""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from common.config import error_exit, parse
+from common.run import Preemption, RunDir, batches, check_finite, check_resume_config, resume_path, step_generator
+from common.run import write_config
+from gan.config import Config
+from gan.data import CHANNELS, DatasetNotFound, load_images, make_loader
+from gan.model import Discriminator, Generator
+from gan.report import finish, save_samples
+
+
+def unwrap(model):
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def main(config: Config) -> dict:
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    torch.manual_seed(config.seed)  # the same initial weights on every rank
+    run = RunDir(config.out or config.resume, "gan", write=rank == 0)
+
+    dataset = load_images(config.dataset, config.data_root, config.image_size, download=config.download)
+    loader = make_loader(dataset, config.batch_size, config.seed, config.num_workers, rank, world_size)
+
+    channels = CHANNELS[config.dataset]
+    generator = Generator(config.nz, config.ngf, channels, config.image_size).to(device)
+    discriminator = Discriminator(config.ndf, channels, config.image_size).to(device)
+    optimizer_g = torch.optim.Adam(generator.parameters(), lr=config.lr, betas=(config.beta1, 0.999))
+    optimizer_d = torch.optim.Adam(discriminator.parameters(), lr=config.lr, betas=(config.beta1, 0.999))
+    if world_size > 1:
+        generator = DistributedDataParallel(generator)
+        # D runs on real and on fake images before one backward; a buffer broadcast in the second
+        # forward would overwrite BatchNorm statistics saved for that backward, so keep buffers local.
+        discriminator = DistributedDataParallel(discriminator, broadcast_buffers=False)
+
+    state = {"generator": generator, "discriminator": discriminator, "optimizer_g": optimizer_g,
+             "optimizer_d": optimizer_d, "step": 0}
+    if config.resume:
+        check_resume_config(resume_path(config.resume), config)
+        saved = torch.load(resume_path(config.resume), map_location=device, weights_only=True)
+        for key in ("generator", "discriminator"):
+            unwrap(state[key]).load_state_dict(saved[key])
+        optimizer_g.load_state_dict(saved["optimizer_g"])
+        optimizer_d.load_state_dict(saved["optimizer_d"])
+        state["step"] = saved["step"]
+        run.truncate_metrics(state["step"])
+    write_config(run, config)
+
+    def save(path):
+        if rank == 0:
+            checkpoint = {key: unwrap(value).state_dict() if hasattr(value, "state_dict") else value
+                          for key, value in state.items()}
+            torch.save(checkpoint, f"{path}.tmp")
+            os.replace(f"{path}.tmp", path)  # atomic: a crash mid-write keeps the previous checkpoint
+
+    fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(config.seed)).to(device)
+    preemption = Preemption()
+    started = time.time()
+    progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="gan")
+    for step, (real, _) in batches(loader, state["step"]):
+        if step >= config.max_steps or preemption.requested:
+            break
+        real = real.to(device)
+        noise = torch.randn(real.size(0), config.nz, 1, 1, generator=step_generator(config.seed, rank, step))
+        noise = noise.to(device)
+
+        # (1) Update D: maximize log D(x) + log(1 - D(G(z)))
+        fake = generator(noise)
+        logits_real, logits_fake = discriminator(real), discriminator(fake.detach())
+        loss_d = (F.binary_cross_entropy_with_logits(logits_real, torch.ones_like(logits_real))
+                  + F.binary_cross_entropy_with_logits(logits_fake, torch.zeros_like(logits_fake)))
+        optimizer_d.zero_grad(set_to_none=True)
+        loss_d.backward()
+        optimizer_d.step()
+
+        # (2) Update G: maximize log D(G(z))
+        logits = discriminator(fake)
+        loss_g = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
+        optimizer_g.zero_grad(set_to_none=True)
+        loss_g.backward()
+        optimizer_g.step()
+
+        state["step"] = step + 1
+        progress.update()
+        if state["step"] % config.log_every == 0 or state["step"] == config.max_steps:
+            check_finite(loss_d + loss_g, step, run.checkpoint)
+            run.log({"step": state["step"], "loss_d": loss_d.item(), "loss_g": loss_g.item(),
+                     "d_real": torch.sigmoid(logits_real).mean().item(),
+                     "d_fake": torch.sigmoid(logits_fake).mean().item()})
+        if state["step"] % config.sample_every == 0:
+            with torch.no_grad():
+                save_samples(run, generator(fixed_noise), state["step"])
+        if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
+            save(run.checkpoint)
+    progress.close()
+    save(run.checkpoint)
+    if preemption.requested:
+        print(f"Stopped by SIGTERM at step {state['step']}; resume with --resume {run.path}")
+        return {}
+
+    generator.eval()
+    with torch.no_grad():
+        eval_noise = torch.randn(config.eval_samples, config.nz, 1, 1, generator=torch.Generator().manual_seed(1))
+        generated = generator(eval_noise.to(device))
+        save_samples(run, generator(fixed_noise), state["step"])
+    summary = finish(run, config, generated, started, state["step"])
+    if rank == 0:
+        print(f"Run directory: {run.path}  samples: {run.path / 'samples'}  score: {summary.get('fid_classifier')}")
+    if world_size > 1:
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    config = parse(Config, prog="python -m gan.train_torch", description=__doc__)
+    try:
+        main(config)
+    except (DatasetNotFound, ValueError) as error:
+        error_exit("python -m gan.train_torch", str(error))
