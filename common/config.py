@@ -21,6 +21,13 @@ def flag(default, help: str, **metadata):
     return field(default=default, metadata={"help": help, **metadata})
 
 
+def merge(*config_classes):
+    """One dataclass with the fields of all of them (a workload's Config plus core's FabricFlags)."""
+    if len(config_classes) == 1:
+        return config_classes[0]
+    return dataclasses.make_dataclass("TrainConfig", [], bases=tuple(reversed(config_classes)))
+
+
 def parse(config_class, argv=None, prog=None, description=None):
     """Parse argv into a `config_class`; call its `check()` (if any) and turn ValueError into exit 2."""
     parser = _Parser(prog=prog, description=description,
@@ -44,6 +51,16 @@ def parse(config_class, argv=None, prog=None, description=None):
     except ValueError as error:
         parser.error(str(error))
     return config
+
+
+def cli(main, *config_classes, prog: str, description: str = ""):
+    """Run `main(config)` from the command line: bad input (flags, data, checkpoints: ValueError and
+    FileNotFoundError) exits with status 2 and one line; anything else is a bug and keeps its traceback."""
+    config = parse(merge(*config_classes), prog=prog, description=description)
+    try:
+        return main(config)
+    except (ValueError, FileNotFoundError) as error:
+        error_exit(prog, str(error))
 
 
 def error_exit(prog: str, message: str):

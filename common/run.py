@@ -125,6 +125,11 @@ class Preemption:
     def _handle(self, signum, frame):
         self.requested = True
 
+    def report(self, run: "RunDir", step: int) -> dict:
+        if run.write:
+            print(f"Stopped by SIGTERM at step {step}; the checkpoint is saved. Resume with --resume {run.path}")
+        return {}
+
 
 def check_finite(loss, step: int, checkpoint: Path) -> None:
     if not bool(loss.isfinite().all()):
@@ -142,3 +147,24 @@ def step_generator(seed: int, rank: int, step: int) -> "torch.Generator":
 
 def write_config(run: RunDir, config) -> None:
     run.write_json("config.json", dataclasses.asdict(config))
+
+
+def save_plain(path: Path, state: dict) -> None:
+    """The plain variant's checkpoint: state_dicts of the (DDP-unwrapped) models and optimizers plus plain
+    values, written to a temporary file and renamed, so a crash mid-write keeps the previous checkpoint."""
+    import torch
+    data = {key: getattr(value, "module", value).state_dict() if hasattr(value, "state_dict") else value
+            for key, value in state.items()}
+    torch.save(data, f"{path}.tmp")
+    os.replace(f"{path}.tmp", path)
+
+
+def load_plain(path: Path, state: dict, device) -> None:
+    """Restore what save_plain wrote into `state` in place (weights_only: nothing in the file is executed)."""
+    import torch
+    saved = torch.load(path, map_location=device, weights_only=True)
+    for key, value in state.items():
+        if hasattr(value, "load_state_dict"):
+            getattr(value, "module", value).load_state_dict(saved[key])
+        else:
+            state[key] = saved[key]

@@ -149,8 +149,12 @@ class Fabric:
     # --- setup -------------------------------------------------------------------------------------
     def setup(self, module: nn.Module, *optimizers, scheduler=None, move_to_device: bool = True, **module_options):
         """Set up a module with its optimizers (and scheduler). Returns the module alone, or
-        (module, *optimizers), or (module, *optimizers, scheduler). `module_options` go to this
-        module's strategy wrapper only (e.g. broadcast_buffers=False for DDP)."""
+        (module, *optimizers), or (module, *optimizers, scheduler).
+
+        `module_options` go to this module's wrapper only, named by strategy: `ddp={...}` for the
+        DistributedDataParallel arguments (broadcast_buffers, find_unused_parameters, ...), `fsdp={...}`
+        for wrap_modules, reshard_after_forward, cpu_offload. Options for another strategy than the one
+        running are not used, so one script can carry the options of each."""
         self._check_launched()
         self._check_module(module)
         self._check_optimizers(optimizers)
@@ -159,8 +163,8 @@ class Fabric:
                              "schedules too: setup(model, optimizer, scheduler=scheduler).")
         self._check_ownership(module, optimizers)
         module = self._prepare(module, move_to_device)
-        forward_module, optimizers = self._strategy.setup_module_and_optimizers(module, list(optimizers),
-                                                                                **module_options)
+        forward_module, optimizers = self._strategy.setup_module_and_optimizers(
+            module, list(optimizers), **self._module_options(module_options))
         wrapped = self._register_module(forward_module, module)
         wrapped_optimizers = [self._register_optimizer(opt, wrapped) for opt in optimizers]
         outputs = [wrapped, *wrapped_optimizers] + ([scheduler] if scheduler is not None else [])
@@ -175,7 +179,16 @@ class Fabric:
                                f"`fabric.setup(model, *optimizers)`.")
         self._check_module(module)
         module = self._prepare(module, move_to_device)
-        return self._register_module(self._strategy.setup_module(module, **module_options), module)
+        return self._register_module(self._strategy.setup_module(module, **self._module_options(module_options)),
+                                     module)
+
+    def _module_options(self, options: dict) -> dict:
+        unknown = set(options) - {"ddp", "fsdp"}
+        if unknown:
+            raise TypeError(f"Unknown setup arguments {sorted(unknown)}: per-module options are passed by strategy, "
+                            f"as ddp={{...}} or fsdp={{...}}.")
+        key = {"DDP": "ddp", "FSDP": "fsdp"}.get(type(self._strategy).__name__)
+        return dict(options.get(key, {}))
 
     def setup_optimizers(self, *optimizers):
         """Wrap optimizers built from the parameters of modules returned by setup_module."""
@@ -478,8 +491,7 @@ class Fabric:
             if key not in saved:
                 continue
             if isinstance(value, FabricModule):
-                checkpoint.check_state_dict(value.module, saved[key], key, strict)
-                self._strategy.load_module_state(value, saved[key], strict)
+                self._strategy.load_module_state(value, saved[key], strict, key, path)
             elif isinstance(value, FabricOptimizer):
                 self._strategy.load_optimizer_state(value.optimizer, self._module_of[id(value)],
                                                     saved[key]["optimizer"])

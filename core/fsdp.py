@@ -107,9 +107,9 @@ class FSDP(DDP):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         return get_model_state_dict(wrapped.module, options=self._options())
 
-    def load_module_state(self, wrapped, state: dict, strict: bool):
+    def _load_state_dict(self, wrapped, state: dict, strict: bool) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        return set_model_state_dict(wrapped.module, state, options=StateDictOptions(full_state_dict=True,
+        set_model_state_dict(wrapped.module, state, options=StateDictOptions(full_state_dict=True,
                                                                                      strict=strict))
 
     def optimizer_state(self, optimizer, wrapped_module) -> dict:

@@ -38,7 +38,8 @@ class Precision:
         self.precision = precision
         self.device_type = device.type
         self.dtype = _DTYPES[precision]
-        self.mixed = precision.endswith("-mixed")  # autocast in forward, float32 outputs
+        self.mixed = precision.endswith("-mixed")  # float32 outputs
+        self.autocast = self.mixed  # a strategy that converts the module itself turns this off
         self.input_dtype = self.dtype if precision == "bf16-true" else None
         self.use_scalers = precision == "16-mixed"  # a strategy with its own loss scaling turns this off
         self.scalers = {}  # id(optimizer) -> torch.amp.GradScaler, 16-mixed only
@@ -48,7 +49,7 @@ class Precision:
         return self.precision == "32-true"
 
     def forward_context(self):
-        return torch.autocast(self.device_type, dtype=self.dtype) if self.mixed else nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype) if self.autocast else nullcontext()
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.to(self.dtype) if self.precision == "bf16-true" else module

@@ -87,8 +87,12 @@ class SingleDevice:
     def module_state(self, wrapped) -> dict:
         return wrapped.module.state_dict()
 
-    def load_module_state(self, wrapped, state: dict, strict: bool):
-        return wrapped.module.load_state_dict(state, strict=strict)
+    def load_module_state(self, wrapped, state: dict, strict: bool, key: str, path) -> None:
+        checkpoint.check_state_dict(wrapped.module, state, key, strict)
+        self._load_state_dict(wrapped, state, strict)
+
+    def _load_state_dict(self, wrapped, state: dict, strict: bool) -> None:
+        wrapped.module.load_state_dict(state, strict=strict)
 
     def optimizer_state(self, optimizer, wrapped_module) -> dict:
         return optimizer.state_dict()

@@ -8,7 +8,7 @@ from gan.data import DATASETS
 @dataclass
 class Config(RunConfig):
     dataset: str = flag("digits", "dataset (digits is embedded; fake is for smoke tests)", choices=DATASETS)
-    max_steps: int = flag(1500, "optimizer steps of each model")
+    max_steps: int = flag(3000, "optimizer steps of each model")
     image_size: int = flag(32, "side of the square images in pixels", choices=(32, 64))
     nz: int = flag(64, "latent size (the paper's nz)")
     ngf: int = flag(32, "generator feature maps in its last hidden layer (the paper's ngf)")

@@ -18,7 +18,9 @@ from torch.utils.data import DataLoader
 
 
 class Classifier(nn.Module):
-    """A small CNN for (C, S, S) images in [-1, 1]; `features` is the 128-d penultimate layer."""
+    """A small CNN for (C, S, S) images in [-1, 1]. Calling it gives the 128-d penultimate layer divided
+    by its root mean square over the real training images, so distances are in units of the real
+    features' scale (without it they grow with however large the trained activations happen to be)."""
 
     num_features = 128  # read by torchmetrics instead of probing the network with a 299 px image
 
@@ -29,9 +31,10 @@ class Classifier(nn.Module):
             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 64 x S/4 x S/4
             nn.Flatten(), nn.Linear(64 * (image_size // 4) ** 2, self.num_features), nn.ReLU())
         self.head = nn.Linear(self.num_features, num_classes)
+        self.register_buffer("feature_scale", torch.ones(()))
 
     def forward(self, images):  # (B, C, S, S) -> (B, 128) features, the FID feature space
-        return self.body(images)
+        return self.body(images) / self.feature_scale
 
     def logits(self, images):
         return self.head(self.body(images))
@@ -39,7 +42,7 @@ class Classifier(nn.Module):
 
 def _cache_path(dataset: str, image_size: int) -> Path:
     root = Path(os.environ.get("SUITE_CACHE", Path.home() / ".cache" / "multimodel-suite"))
-    return root / f"classifier-{dataset}-{image_size}.pt"
+    return root / f"classifier-v2-{dataset}-{image_size}.pt"
 
 
 def train_classifier(train_set, dataset: str, image_size: int, epochs: int = 15, cache: bool = True) -> Classifier:
@@ -60,6 +63,9 @@ def train_classifier(train_set, dataset: str, image_size: int, epochs: int = 15,
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+    with torch.no_grad():
+        features = torch.cat([model.body(images) for images, _ in DataLoader(train_set, batch_size=256)])
+        model.feature_scale.fill_(features.pow(2).mean().sqrt())
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

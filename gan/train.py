@@ -7,29 +7,22 @@
 `sdiff gan/train_torch.py gan/train.py` shows what core replaces.
 """
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common.config import error_exit, parse
-from common.run import Preemption, RunDir, batches, check_finite, check_resume_config, resume_path, step_generator
-from common.run import write_config
-from core import CheckpointError, Fabric
+from common.config import cli
+from common.run import Preemption, RunDir, batches, check_finite, check_resume_config, resume_path, write_config
+from core import Fabric
 from core.cli import FabricFlags
 from gan.config import Config
-from gan.data import CHANNELS, DatasetNotFound, load_images, make_loader
+from gan.data import CHANNELS, load_images, make_loader
 from gan.model import Discriminator, Generator
 from gan.report import finish, save_samples
 
 
-@dataclass
-class TrainConfig(Config, FabricFlags):
-    pass
-
-
-def main(config: TrainConfig) -> dict:
+def main(config: Config) -> dict:
     fabric = Fabric(**config.fabric_options())
     fabric.launch()
     rank = fabric.global_rank
@@ -47,8 +40,7 @@ def main(config: TrainConfig) -> dict:
     generator, optimizer_g = fabric.setup(generator, optimizer_g)
     # D runs on real and on fake images before one backward; a buffer broadcast in the second
     # forward would overwrite BatchNorm statistics saved for that backward, so keep buffers local.
-    discriminator, optimizer_d = fabric.setup(discriminator, optimizer_d,
-                                              **({"broadcast_buffers": False} if config.strategy == "ddp" else {}))
+    discriminator, optimizer_d = fabric.setup(discriminator, optimizer_d, ddp={"broadcast_buffers": False})
 
     state = {"generator": generator, "discriminator": discriminator, "optimizer_g": optimizer_g,
              "optimizer_d": optimizer_d, "step": 0}
@@ -58,11 +50,7 @@ def main(config: TrainConfig) -> dict:
         run.truncate_metrics(state["step"])
     write_config(run, config)
 
-    def save(path):
-        fabric.save(path, state)
-
-    fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(config.seed))
-    fixed_noise = fabric.to_device(fixed_noise)
+    fixed_noise = fabric.to_device(torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(config.seed)))
     preemption = Preemption()
     started = time.time()
     progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="gan")
@@ -100,12 +88,11 @@ def main(config: TrainConfig) -> dict:
             with torch.no_grad():
                 save_samples(run, generator(fixed_noise), state["step"])
         if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
-            save(run.checkpoint)
+            fabric.save(run.checkpoint, state)
     progress.close()
-    save(run.checkpoint)
+    fabric.save(run.checkpoint, state)
     if preemption.requested:
-        fabric.print(f"Stopped by SIGTERM at step {state['step']}; resume with --resume {run.path}")
-        return {}
+        return preemption.report(run, state["step"])
 
     generator.eval()
     with torch.no_grad():
@@ -113,13 +100,8 @@ def main(config: TrainConfig) -> dict:
         generated = generator(fabric.to_device(eval_noise))
         save_samples(run, generator(fixed_noise), state["step"])
     summary = finish(run, config, generated, started, state["step"])
-    fabric.print(f"Run directory: {run.path}  samples: {run.path / 'samples'}  score: {summary.get('fid_classifier')}")
     return summary
 
 
 if __name__ == "__main__":
-    config = parse(TrainConfig, prog="python -m gan.train", description=__doc__)
-    try:
-        main(config)
-    except (DatasetNotFound, CheckpointError, ValueError) as error:
-        error_exit("python -m gan.train", str(error))
+    cli(main, Config, FabricFlags, prog="python -m gan.train", description=__doc__)

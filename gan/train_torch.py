@@ -14,17 +14,13 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from common.config import error_exit, parse
-from common.run import Preemption, RunDir, batches, check_finite, check_resume_config, resume_path, step_generator
-from common.run import write_config
+from common.config import cli
+from common.run import Preemption, RunDir, batches, check_finite, check_resume_config, resume_path, write_config
+from common.run import load_plain, save_plain
 from gan.config import Config
-from gan.data import CHANNELS, DatasetNotFound, load_images, make_loader
+from gan.data import CHANNELS, load_images, make_loader
 from gan.model import Discriminator, Generator
 from gan.report import finish, save_samples
-
-
-def unwrap(model):
-    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def main(config: Config) -> dict:
@@ -53,21 +49,9 @@ def main(config: Config) -> dict:
              "optimizer_d": optimizer_d, "step": 0}
     if config.resume:
         check_resume_config(resume_path(config.resume), config)
-        saved = torch.load(resume_path(config.resume), map_location=device, weights_only=True)
-        for key in ("generator", "discriminator"):
-            unwrap(state[key]).load_state_dict(saved[key])
-        optimizer_g.load_state_dict(saved["optimizer_g"])
-        optimizer_d.load_state_dict(saved["optimizer_d"])
-        state["step"] = saved["step"]
+        load_plain(resume_path(config.resume), state, device)
         run.truncate_metrics(state["step"])
     write_config(run, config)
-
-    def save(path):
-        if rank == 0:
-            checkpoint = {key: unwrap(value).state_dict() if hasattr(value, "state_dict") else value
-                          for key, value in state.items()}
-            torch.save(checkpoint, f"{path}.tmp")
-            os.replace(f"{path}.tmp", path)  # atomic: a crash mid-write keeps the previous checkpoint
 
     fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(config.seed)).to(device)
     preemption = Preemption()
@@ -107,12 +91,13 @@ def main(config: Config) -> dict:
             with torch.no_grad():
                 save_samples(run, generator(fixed_noise), state["step"])
         if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
-            save(run.checkpoint)
+            if rank == 0:
+                save_plain(run.checkpoint, state)
     progress.close()
-    save(run.checkpoint)
+    if rank == 0:
+        save_plain(run.checkpoint, state)
     if preemption.requested:
-        print(f"Stopped by SIGTERM at step {state['step']}; resume with --resume {run.path}")
-        return {}
+        return preemption.report(run, state["step"])
 
     generator.eval()
     with torch.no_grad():
@@ -120,16 +105,10 @@ def main(config: Config) -> dict:
         generated = generator(eval_noise.to(device))
         save_samples(run, generator(fixed_noise), state["step"])
     summary = finish(run, config, generated, started, state["step"])
-    if rank == 0:
-        print(f"Run directory: {run.path}  samples: {run.path / 'samples'}  score: {summary.get('fid_classifier')}")
     if world_size > 1:
         dist.destroy_process_group()
     return summary
 
 
 if __name__ == "__main__":
-    config = parse(Config, prog="python -m gan.train_torch", description=__doc__)
-    try:
-        main(config)
-    except (DatasetNotFound, ValueError) as error:
-        error_exit("python -m gan.train_torch", str(error))
+    cli(main, Config, prog="python -m gan.train_torch", description=__doc__)

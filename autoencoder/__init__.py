@@ -1,0 +1,1 @@
+"""Encoder and decoder grouped under one module with one optimizer (per-module learning rates)."""

@@ -1,0 +1,77 @@
+"""Autoencoder in core: the same loop as train_torch.py, on any strategy and precision.
+
+    python -m autoencoder.train
+    python -m autoencoder.train --strategy ddp --devices 2     # also fsdp, deepspeed_stage_2, ...
+
+`sdiff autoencoder/train_torch.py autoencoder/train.py` shows what core replaces.
+"""
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from autoencoder.config import Config
+from autoencoder.data import CHANNELS, load_splits, make_loader
+from autoencoder.model import AutoEncoder
+from autoencoder.report import evaluate, finish
+from common.config import cli
+from common.run import Preemption, RunDir, batches, check_finite, check_resume_config, resume_path, write_config
+from core import Fabric
+from core.cli import FabricFlags
+
+
+def main(config: Config) -> dict:
+    fabric = Fabric(**config.fabric_options())
+    fabric.launch()
+    rank = fabric.global_rank
+    torch.manual_seed(config.seed)  # the same initial weights on every rank
+    run = RunDir(config.out or config.resume, "autoencoder", write=rank == 0)
+
+    train_set, test_set = load_splits(config.dataset, config.data_root, config.image_size, config.download)
+    loader = fabric.setup_dataloaders(make_loader(train_set, config.batch_size, config.seed, config.num_workers))
+
+    model = AutoEncoder(CHANNELS[config.dataset], config.latent, config.image_size, config.width)
+    optimizer = torch.optim.Adam([{"params": model.encoder.parameters(), "lr": config.lr_encoder},
+                                  {"params": model.decoder.parameters(), "lr": config.lr_decoder}])
+    model, optimizer = fabric.setup(model, optimizer)
+    model.mark_forward_method("encode")  # model.encode(x) then runs through the strategy wrapper
+
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if config.resume:
+        check_resume_config(resume_path(config.resume), config)
+        fabric.load(resume_path(config.resume), state)
+        run.truncate_metrics(state["step"])
+    write_config(run, config)
+
+    preemption = Preemption()
+    started = time.time()
+    progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="autoencoder")
+    for step, (images, _) in batches(loader, state["step"]):
+        if step >= config.max_steps or preemption.requested:
+            break
+        loss = F.mse_loss(model(images), images)
+        optimizer.zero_grad(set_to_none=True)
+        fabric.backward(loss)
+        optimizer.step()
+
+        state["step"] = step + 1
+        progress.update()
+        if state["step"] % config.log_every == 0 or state["step"] == config.max_steps:
+            check_finite(loss, step, run.checkpoint)
+            run.log({"step": state["step"], "loss": loss.item()})
+        if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
+            fabric.save(run.checkpoint, state)
+    progress.close()
+    fabric.save(run.checkpoint, state)
+    if preemption.requested:
+        return preemption.report(run, state["step"])
+
+    model.eval()
+    results = evaluate(model, test_set, train_set, fabric.device)
+    summary = finish(run, config, results, started, state["step"])
+    return summary
+
+
+if __name__ == "__main__":
+    cli(main, Config, FabricFlags, prog="python -m autoencoder.train", description=__doc__)

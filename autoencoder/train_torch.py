@@ -1,0 +1,85 @@
+"""Autoencoder in plain PyTorch: encoder + decoder in one module, one optimizer with a param group each.
+
+    python -m autoencoder.train_torch
+    torchrun --nproc-per-node 2 -m autoencoder.train_torch
+
+`sdiff autoencoder/train_torch.py autoencoder/train.py` shows what core replaces.
+"""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from autoencoder.config import Config
+from autoencoder.data import CHANNELS, load_splits, make_loader
+from autoencoder.model import AutoEncoder
+from autoencoder.report import evaluate, finish
+from common.config import cli
+from common.run import Preemption, RunDir, batches, check_finite, check_resume_config, resume_path, write_config
+from common.run import load_plain, save_plain
+
+
+def main(config: Config) -> dict:
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    torch.manual_seed(config.seed)  # the same initial weights on every rank
+    run = RunDir(config.out or config.resume, "autoencoder", write=rank == 0)
+
+    train_set, test_set = load_splits(config.dataset, config.data_root, config.image_size, config.download)
+    loader = make_loader(train_set, config.batch_size, config.seed, config.num_workers, rank, world_size)
+
+    model = AutoEncoder(CHANNELS[config.dataset], config.latent, config.image_size, config.width).to(device)
+    optimizer = torch.optim.Adam([{"params": model.encoder.parameters(), "lr": config.lr_encoder},
+                                  {"params": model.decoder.parameters(), "lr": config.lr_decoder}])
+    if world_size > 1:
+        model = DistributedDataParallel(model)
+
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if config.resume:
+        check_resume_config(resume_path(config.resume), config)
+        load_plain(resume_path(config.resume), state, device)
+        run.truncate_metrics(state["step"])
+    write_config(run, config)
+
+    preemption = Preemption()
+    started = time.time()
+    progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="autoencoder")
+    for step, (images, _) in batches(loader, state["step"]):
+        if step >= config.max_steps or preemption.requested:
+            break
+        images = images.to(device)
+        loss = F.mse_loss(model(images), images)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+        state["step"] = step + 1
+        progress.update()
+        if state["step"] % config.log_every == 0 or state["step"] == config.max_steps:
+            check_finite(loss, step, run.checkpoint)
+            run.log({"step": state["step"], "loss": loss.item()})
+        if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
+            if rank == 0:
+                save_plain(run.checkpoint, state)
+    progress.close()
+    if rank == 0:
+        save_plain(run.checkpoint, state)
+    if preemption.requested:
+        return preemption.report(run, state["step"])
+
+    model.eval()
+    results = evaluate(getattr(model, "module", model), test_set, train_set, device)  # DDP is not needed here
+    summary = finish(run, config, results, started, state["step"])
+    if world_size > 1:
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    cli(main, Config, prog="python -m autoencoder.train_torch", description=__doc__)

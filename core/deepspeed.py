@@ -1,0 +1,185 @@
+"""DeepSpeed strategy: ZeRO stages 1-3 (and CPU offload), one engine per set-up model.
+
+DeepSpeed is imported only when this strategy is chosen. On CPU it runs on DeepSpeed's CPU
+accelerator over gloo; on CUDA over NCCL. Each `setup(model, optimizer)` makes one engine, so a GAN
+has two; a wrapped optimizer steps its own engine, and `fabric.backward(loss)` finds the engine
+from the loss's graph (or `model=`). DeepSpeed does its own loss scaling and bf16/fp16 conversion,
+so core's autocast and GradScaler stay off under this strategy.
+
+A checkpoint is a directory: one DeepSpeed checkpoint per engine (tag = the key in `state`), plus
+`state.pt` for the plain values. It is written to a temporary directory and renamed into place.
+DeepSpeed's own files are pickles of more than tensors: before DeepSpeed reads them, each is opened
+with `weights_only=True` and a short list of allowed DeepSpeed and Python types, so a file carrying
+anything else is refused unread. A ZeRO checkpoint resumes on the same number of processes only.
+"""
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from core import checkpoint
+from core.strategies import DDP
+
+_STAGES = {"deepspeed": 2, "deepspeed_stage_1": 1, "deepspeed_stage_2": 2, "deepspeed_stage_3": 3,
+           "deepspeed_stage_2_offload": 2, "deepspeed_stage_3_offload": 3}
+
+
+class DeepSpeed(DDP):
+    joint_setup = True
+    backward_needs_module = True
+    guard_submodules = False  # ZeRO's hooks sit on parameters and modules, not on a wrapper's forward
+    moves_module = False  # the engine places the module
+
+    def __init__(self, device, precision, name: str = "deepspeed", config=None):
+        super().__init__(device, precision)
+        self.stage = _STAGES[name]
+        self.offload = name.endswith("_offload")
+        if isinstance(config, (str, os.PathLike)):
+            try:
+                config = json.loads(Path(config).read_text())
+            except (OSError, json.JSONDecodeError) as error:
+                raise ValueError(f"DeepSpeed config {config}: cannot read it as JSON ({error}).") from None
+        if config is not None and not isinstance(config, dict):
+            raise TypeError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}.")
+        self.user_config = config
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+        precision.use_scalers = False  # DeepSpeed scales the loss itself
+        precision.autocast = False  # the engine converts the module to bf16/fp16
+        if precision.precision != "32-true":
+            precision.input_dtype = precision.dtype
+
+    def check_precision(self, precision: str) -> None:
+        pass  # all four map onto DeepSpeed's bf16 / fp16 / fp32 configs
+
+    def config(self) -> dict:
+        if self.user_config is not None:
+            config = copy.deepcopy(self.user_config)
+        else:
+            zero = {"stage": self.stage}
+            if self.offload:
+                zero["offload_optimizer"] = {"device": "cpu"}
+                if self.stage == 3:
+                    zero["offload_param"] = {"device": "cpu"}
+            config = {"zero_optimization": zero}
+        config.setdefault("train_micro_batch_size_per_gpu", 1)  # batches are ours; this only feeds its logs
+        config.setdefault("gradient_accumulation_steps", 1)
+        config.setdefault("zero_allow_untested_optimizer", True)
+        config.setdefault("steps_per_print", 2**31)
+        if self.precision.precision.startswith("bf16"):
+            config.setdefault("bf16", {"enabled": True})
+        elif self.precision.precision == "16-mixed":
+            config.setdefault("fp16", {"enabled": True})
+        return config
+
+    def setup_environment(self, env: dict) -> None:
+        super().setup_environment(env)
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
+                                   auto_mpi_discovery=False, verbose=False)
+
+    def setup_module_and_optimizers(self, module, optimizers: list, **kwargs):
+        import deepspeed
+
+        if kwargs:
+            raise ValueError(f"DeepSpeed takes its options in the config, not per module; got {sorted(kwargs)}.")
+        if len(optimizers) > 1:
+            raise ValueError("A DeepSpeed engine has one optimizer. Set up each model with its own optimizer "
+                             "(`fabric.setup(generator, optimizer_g)`, `fabric.setup(discriminator, optimizer_d)`), "
+                             "or put the parameters in one optimizer as param groups.")
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizers[0] if optimizers else None,
+                                               config=self.config(), dist_init_required=False)
+        return engine, optimizers
+
+    def backward(self, loss, module, *args, **kwargs) -> None:
+        if args or kwargs.get("create_graph"):
+            raise ValueError("DeepSpeed's engine.backward takes no gradient argument and cannot create a graph "
+                             "for higher-order gradients; use strategy='ddp' or 'fsdp' for that.")
+        module._forward_module.backward(loss, retain_graph=kwargs.get("retain_graph", False))
+
+    def optimizer_step(self, optimizer, module, **kwargs):
+        if kwargs:
+            raise ValueError("DeepSpeed's engine.step takes no closure.")
+        module._forward_module.step()
+
+    def no_backward_sync(self, module):
+        raise RuntimeError("no_backward_sync is not available with DeepSpeed: set gradient_accumulation_steps "
+                           "in the DeepSpeed config and call backward and step every micro-batch instead.")
+
+    def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0):
+        raise RuntimeError("With DeepSpeed, set gradient clipping in its config ({'gradient_clipping': 1.0}) "
+                           "instead of calling fabric.clip_gradients.")
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def module_state(self, wrapped):
+        return wrapped  # saved by its engine in save_checkpoint
+
+    def optimizer_state(self, optimizer, wrapped_module):
+        return None  # inside its engine's checkpoint
+
+    def save_checkpoint(self, path, state: dict) -> None:
+        from core.wrappers import FabricModule
+
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        if self.global_rank == 0 and tmp.exists():
+            shutil.rmtree(tmp)
+        self.barrier()
+        plain = {}
+        for key, value in state.items():
+            if isinstance(value, FabricModule):
+                value._forward_module.save_checkpoint(str(tmp), tag=key, save_latest=False)
+                plain[key] = {"deepspeed_tag": key}
+            else:
+                plain[key] = value
+        self.barrier()
+        if self.global_rank == 0:
+            checkpoint.save_checkpoint(plain, tmp / "state.pt")
+            old = path.with_name(f".{path.name}.old")
+            if path.exists():
+                os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        self.barrier()
+
+    def load_checkpoint(self, path) -> dict:
+        path = Path(path)
+        if not (path / "state.pt").is_file():
+            raise checkpoint.CheckpointError(f"{path} is not a DeepSpeed checkpoint directory written by "
+                                             f"Fabric.save (no state.pt inside).")
+        _check_files_are_safe(path)
+        return checkpoint.load_checkpoint(path / "state.pt")
+
+    def load_module_state(self, wrapped, state: dict, strict: bool, key: str, path) -> None:
+        if not isinstance(state, dict) or "deepspeed_tag" not in state:
+            raise checkpoint.CheckpointError(f"The checkpoint's {key!r} was not saved by a DeepSpeed engine.")
+        loaded, _ = wrapped._forward_module.load_checkpoint(str(path), tag=state["deepspeed_tag"],
+                                                            load_module_strict=strict, load_optimizer_states=True,
+                                                            load_lr_scheduler_states=False)
+        if loaded is None:
+            raise checkpoint.CheckpointError(f"DeepSpeed could not load {key!r} from {path}.")
+
+    def load_optimizer_state(self, optimizer, wrapped_module, state) -> None:
+        pass  # restored with its engine
+
+
+def _check_files_are_safe(path: Path) -> None:
+    """Open every DeepSpeed file of the checkpoint with weights_only=True and a few allowed types."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, set, frozenset, slice,
+               torch.Size]
+    for file in sorted(path.rglob("*.pt")):
+        if file.name == "state.pt":
+            continue
+        try:
+            with torch.serialization.safe_globals(allowed):
+                torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise checkpoint.CheckpointError(f"{file} holds objects outside the allowed tensor and DeepSpeed "
+                                             f"types, so it was refused before DeepSpeed read it: "
+                                             f"{str(error).splitlines()[0][:200]}") from None

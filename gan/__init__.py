@@ -1,0 +1,1 @@
+"""DCGAN: two models with two optimizers, set up pair by pair."""
