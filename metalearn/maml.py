@@ -30,7 +30,7 @@ class InnerSGD:
 
 
 class MetaLearner(nn.Module):
-    """Wraps a model and a loss; forward(support_x, support_y, query_x, query_y) -> mean query loss.
+    """Wraps a model and a loss; forward(support_x, support_y, query_x, query_y) -> each task's query loss.
 
     Shapes: support_x (T, K, ...), support_y (T, K, ...), query_x (T, Q, ...), query_y (T, Q, ...)
     for T tasks of K support and Q query examples.
@@ -61,14 +61,14 @@ class MetaLearner(nn.Module):
             params = optimizer.step(params, grad(self._task_loss)(params, support_x, support_y))
         return params
 
-    def forward(self, support_x, support_y, query_x, query_y):
+    def forward(self, support_x, support_y, query_x, query_y):  # -> (T,) query loss of each task
         params = dict(self.model.named_parameters())
         optimizer = self.inner_optimizer()
 
         def query_loss(sx, sy, qx, qy):  # one task: adapt on its support set, score on its query set
             return self._task_loss(self.adapt(params, sx, sy, self.inner_steps, optimizer), qx, qy)
 
-        return vmap(query_loss)(support_x, support_y, query_x, query_y).mean()
+        return vmap(query_loss)(support_x, support_y, query_x, query_y)
 
     @torch.no_grad()
     def evaluate(self, support_x, support_y, query_x, query_y, steps: int):
@@ -77,8 +77,7 @@ class MetaLearner(nn.Module):
         optimizer = self.inner_optimizer(first_order=True)
 
         def outputs(sx, sy, qx):
-            with torch.enable_grad():
-                adapted = self.adapt(params, sx, sy, steps, optimizer)
+            adapted = self.adapt(params, sx, sy, steps, optimizer)  # grad is a transform: no_grad does not stop it
             return functional_call(self.model, adapted, (qx,))
 
         predictions = vmap(outputs)(support_x, support_y, query_x)

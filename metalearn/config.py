@@ -1,0 +1,29 @@
+"""MAML's configuration, shared by both variants; defaults are the paper's sinusoid setup."""
+from dataclasses import dataclass
+
+from common.config import RunConfig, flag
+from metalearn.data import TASKS
+
+
+@dataclass
+class Config(RunConfig):
+    dataset: str = flag("sinusoid", "task family (sinusoid and digits are embedded)", choices=TASKS)
+    max_steps: int = flag(20000, "meta-iterations (outer optimizer steps)")
+    batch_size: int = flag(25, "tasks per meta-batch, split across processes")
+    log_every: int = flag(500, "write metrics every N meta-iterations")
+    shots: int = flag(10, "support examples per task (per class for classification): the paper's K")
+    queries: int = flag(10, "query examples per task (per class for classification) in training")
+    ways: int = flag(5, "classes per task (classification only): the paper's N")
+    hidden: int = flag(40, "units in each hidden layer")
+    inner_lr: float = flag(0.01, "inner SGD step size (the paper's alpha); the initial value with --learn-inner-lr")
+    inner_steps: int = flag(1, "inner SGD steps per task in training")
+    first_order: bool = flag(False, "drop second-order terms (FOMAML)")
+    learn_inner_lr: bool = flag(False, "learn a step size per parameter (Meta-SGD)")
+    lr: float = flag(1e-3, "outer Adam learning rate (the paper's beta)")
+    eval_tasks: int = flag(600, "held-out tasks for the final evaluation")
+    eval_queries: int = flag(100, "query points per held-out task (sinusoid) or per class (classification)")
+
+    def check(self):
+        super().check()
+        if self.inner_steps < 0 or self.shots < 1 or self.queries < 1:
+            raise ValueError("--inner-steps must be >= 0, --shots and --queries >= 1")

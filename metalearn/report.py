@@ -1,0 +1,84 @@
+"""MAML's evaluation like the paper's: held-out tasks, error after 0, 1, 5 and 10 inner steps."""
+import dataclasses
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from common.run import step_generator
+
+EVAL_STEPS = (0, 1, 5, 10)
+
+
+def loss_function(dataset: str):
+    return F.mse_loss if dataset == "sinusoid" else F.cross_entropy
+
+
+def _mean_ci(values: torch.Tensor) -> tuple[float, float]:
+    values = values.double()
+    return values.mean().item(), 1.96 * values.std().item() / math.sqrt(len(values))
+
+
+@torch.no_grad()
+def evaluate(evaluate_fn, tasks, config, device) -> dict:
+    """`evaluate_fn(sx, sy, qx, qy, steps)` is the learner's evaluate method; every process calls this."""
+    queries = config.eval_queries if config.dataset == "sinusoid" else \
+        min(config.eval_queries, tasks.images.shape[1] - config.shots)  # classes hold few examples
+    batch = tasks.sample(config.eval_tasks, config.shots, queries, step_generator(config.seed, -1, 0))
+    support_x, support_y, query_x, query_y = (t.to(device) for t in batch)
+    results = {"mse" if config.dataset == "sinusoid" else "accuracy": {}, "median": {}, "ci95": {}, "curves": {}}
+    for steps in EVAL_STEPS:
+        predictions, losses = evaluate_fn(support_x, support_y, query_x, query_y, steps)
+        if config.dataset == "sinusoid":
+            values = losses.float().cpu()
+            results["curves"][steps] = predictions[:3].float().cpu()
+        else:
+            values = (predictions.argmax(-1) == query_y).float().mean(-1).cpu()
+        mean, ci = _mean_ci(values)
+        key = "mse" if config.dataset == "sinusoid" else "accuracy"
+        results[key][steps], results["ci95"][steps], results["median"][steps] = mean, ci, values.median().item()
+    results["tasks"] = (support_x[:3].cpu(), support_y[:3].cpu(), query_x[:3].cpu(), query_y[:3].cpu())
+    return results
+
+
+def _plot_curves(run, results) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    support_x, support_y, query_x, query_y = results["tasks"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5), sharey=True)
+    for task, ax in enumerate(axes):
+        order = query_x[task, :, 0].argsort()
+        ax.plot(query_x[task, order, 0], query_y[task, order, 0], "k-", label="true")
+        for steps in (0, 1, 10):
+            ax.plot(query_x[task, order, 0], results["curves"][steps][task, order, 0], label=f"{steps} steps")
+        ax.plot(support_x[task, :, 0], support_y[task, :, 0], "k^", label="support")
+        ax.set_title(f"test task {task}")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(run.path / "adaptation.png", dpi=100)
+    plt.close(fig)
+
+
+def finish(run, config, results: dict, started: float, steps: int) -> dict:
+    if not run.write:
+        return {}
+    summary = {"steps": steps, "train_seconds": round(time.time() - started, 1)}
+    if config.dataset == "sinusoid":
+        summary.update(test_mse_steps=results["mse"], test_mse_ci95_steps=results["ci95"],
+                       test_mse_median_steps=results["median"])
+        _plot_curves(run, results)
+        line = ", ".join(f"{k} steps {v:.3f}" for k, v in results["mse"].items())
+        print(f"Run directory: {run.path}  test MSE after {line}")
+    else:
+        step = config.inner_steps if config.inner_steps in EVAL_STEPS else 10
+        summary.update(test_accuracy=results["accuracy"][step], test_accuracy_ci95=results["ci95"][step],
+                       test_accuracy_steps=results["accuracy"], test_accuracy_ci95_steps=results["ci95"])
+        print(f"Run directory: {run.path}  test accuracy after {step} steps "
+              f"{results['accuracy'][step]:.3f} +- {results['ci95'][step]:.3f}")
+    summary["config"] = dataclasses.asdict(config)
+    run.write_json("summary.json", summary)
+    run.plot_losses(["loss"])
+    return summary

@@ -1,0 +1,89 @@
+"""MAML in plain PyTorch: one device, or DDP when started by torchrun (the meta-batch split across ranks).
+
+    python -m metalearn.train_torch
+    torchrun --nproc-per-node 2 -m metalearn.train_torch
+
+`sdiff metalearn/train_torch.py metalearn/train.py` shows what core replaces.
+"""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from common.config import cli
+from common.run import Preemption, RunDir, check_finite, check_resume_config, resume_path, step_generator, write_config
+from common.run import load_plain, save_plain
+from metalearn.config import Config
+from metalearn.data import make_tasks
+from metalearn.maml import MetaLearner
+from metalearn.model import MLP
+from metalearn.report import evaluate, finish, loss_function
+
+
+def main(config: Config) -> dict:
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    torch.manual_seed(config.seed)  # the same initial weights on every rank
+    run = RunDir(config.out or config.resume, "metalearn", write=rank == 0)
+
+    tasks = make_tasks(config.dataset, config.ways, True, config.data_root, config.download)
+    test_tasks = make_tasks(config.dataset, config.ways, False, config.data_root, config.download)
+
+    model = MLP(tasks.in_features, config.hidden, tasks.out_features)
+    learner = MetaLearner(model, loss_function(config.dataset), config.inner_lr, config.inner_steps,
+                          config.first_order, config.learn_inner_lr).to(device)
+    optimizer = torch.optim.Adam(learner.parameters(), lr=config.lr)
+    if world_size > 1:
+        learner = DistributedDataParallel(learner)
+
+    state = {"learner": learner, "optimizer": optimizer, "step": 0}
+    if config.resume:
+        check_resume_config(resume_path(config.resume), config)
+        load_plain(resume_path(config.resume), state, device)
+        run.truncate_metrics(state["step"])
+    write_config(run, config)
+
+    preemption = Preemption()
+    started = time.time()
+    progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="metalearn")
+    for step in range(state["step"], config.max_steps):
+        if preemption.requested:
+            break
+        # every rank draws the whole meta-batch from (seed, step) and keeps its own share of the tasks
+        meta_batch = tasks.sample(config.batch_size, config.shots, config.queries, step_generator(config.seed, 0, step))
+        support_x, support_y, query_x, query_y = (t.tensor_split(world_size)[rank].to(device) for t in meta_batch)
+        # the sum over this rank's tasks, scaled so that the gradient averaged across ranks is the
+        # gradient of the mean over the whole meta-batch, however unevenly it splits
+        loss = learner(support_x, support_y, query_x, query_y).sum() * world_size / config.batch_size
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+        state["step"] = step + 1
+        progress.update()
+        if state["step"] % config.log_every == 0 or state["step"] == config.max_steps:
+            check_finite(loss, step, run.checkpoint)
+            run.log({"step": state["step"], "loss": loss.item()})
+        if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
+            if rank == 0:
+                save_plain(run.checkpoint, state)
+    progress.close()
+    if rank == 0:
+        save_plain(run.checkpoint, state)
+    if preemption.requested:
+        return preemption.report(run, state["step"])
+
+    results = evaluate(getattr(learner, "module", learner).evaluate, test_tasks, config, device)
+    summary = finish(run, config, results, started, state["step"])
+    if world_size > 1:
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    cli(main, Config, prog="python -m metalearn.train_torch", description=__doc__)
