@@ -51,10 +51,18 @@ def load_checkpoint(path) -> dict:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        raise CheckpointError(
-            f"{path} holds pickled objects that are not plain tensors and containers, so it was refused "
-            f"without running any of it (weights_only loading). Only load files you trust; the refused "
-            f"content was: {str(error).splitlines()[0][:200]}") from None
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        imports = _imports_in(path)
+        detail = next((line for line in lines if "GLOBAL" in line), "") or \
+            (f"It imports {', '.join(imports[:5])}." if imports else "")
+        if detail:
+            raise CheckpointError(
+                f"{path} holds pickled objects that are not plain tensors and containers, so it was refused "
+                f"without running any of it (weights_only loading). Only load files you trust. "
+                f"{detail[:200]}") from None
+        detail = next((line for line in lines if "error" in line.lower() and "Weights only" not in line), lines[-1])
+        raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt: {detail[:200]}). "
+                              f"Resume from an earlier checkpoint.") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as error:
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt: {error}). "
                               f"Resume from an earlier checkpoint.") from None
@@ -62,6 +70,31 @@ def load_checkpoint(path) -> dict:
         raise CheckpointError(f"{path} was not written by core's Fabric.save (no {FORMAT!r} marker). Load it "
                               f"with torch.load and copy the tensors into your model yourself.")
     return data["state"]
+
+
+def _imports_in(path: Path) -> list[str]:
+    """The module.name references in a pickle (a plain one, or the data.pkl of torch's zip format),
+    found by reading its opcodes with pickletools: nothing in it is run."""
+    import pickletools
+
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+                data = archive.read(name)
+        else:
+            data = path.read_bytes()
+        found, strings = [], []
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+                strings.append(arg)
+            elif opcode.name == "GLOBAL":
+                found.append(arg.replace(" ", "."))
+            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                found.append(f"{strings[-2]}.{strings[-1]}")
+        return [name for name in found if not name.startswith(("torch.", "collections.OrderedDict"))]
+    except Exception:
+        return []
 
 
 def check_state_dict(module: torch.nn.Module, state: dict, name: str, strict: bool = True) -> None:

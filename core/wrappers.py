@@ -57,6 +57,7 @@ class FabricModule(nn.Module):
         if name == "forward":
             raise ValueError("forward already goes through the wrapper; mark other methods only.")
         self._forward_methods.add(name)
+        self.__dict__[name] = self._redirected(name)  # beats nn.Module's own methods of the same name
 
     def _redirected(self, name: str):
         method = getattr(self._original_module, name)
@@ -71,8 +72,6 @@ class FabricModule(nn.Module):
         return call
 
     def __getattr__(self, name: str):
-        if name in self.__dict__.get("_forward_methods", ()):
-            return self._redirected(name)
         try:
             return super().__getattr__(name)
         except AttributeError:

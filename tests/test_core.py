@@ -1,0 +1,407 @@
+"""core on one process: the four setup patterns against plain PyTorch, validation rules, precision,
+checkpoints and safe loading."""
+import os
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from core import CheckpointError, Fabric, seed_everything
+from core.wrappers import FabricDataLoader, FabricModule
+
+
+def mlp(seed=0, width=8):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 2))
+
+
+def data(steps=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)) for _ in range(steps)]
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = mlp(0), nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def run_pattern(pattern: str, fabric: Fabric | None):
+    """Train one of the four patterns with plain PyTorch (fabric None) or through fabric."""
+    setup = (lambda *a, **k: a if len(a) > 1 else a[0]) if fabric is None else fabric.setup
+    backward = (lambda loss: loss.backward()) if fabric is None else fabric.backward
+    if pattern == "1 model, 1 optimizer":
+        model = mlp()
+        model, opt = setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+        for x, y in data():
+            opt.zero_grad()
+            backward(F.mse_loss(model(x), y))
+            opt.step()
+        return [model]
+    if pattern == "1 model, 2 optimizers":
+        model = TwoHeads()
+        opt_body = torch.optim.SGD(model.body.parameters(), lr=0.1, momentum=0.9)
+        opt_head = torch.optim.Adam(model.head.parameters(), lr=0.01)
+        model, opt_body, opt_head = setup(model, opt_body, opt_head)
+        for x, y in data():
+            opt_body.zero_grad()
+            opt_head.zero_grad()
+            backward(F.mse_loss(model(x), y))
+            opt_body.step()
+            opt_head.step()
+        return [model]
+    if pattern == "2 models grouped, 1 optimizer":
+        group = nn.ModuleDict({"encoder": mlp(0), "decoder": nn.Linear(2, 4)})
+        opt = torch.optim.Adam([{"params": group["encoder"].parameters(), "lr": 0.01},
+                                {"params": group["decoder"].parameters(), "lr": 0.001}])
+
+        class Grouped(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.parts = group
+
+            def forward(self, x):
+                return self.parts["decoder"](self.parts["encoder"](x))
+
+        model = Grouped()
+        model, opt = setup(model, opt)
+        for x, _ in data():
+            opt.zero_grad()
+            backward(F.mse_loss(model(x), x))
+            opt.step()
+        return [model]
+    # 2 models, 2 optimizers, set up pair by pair, the second trained through the first
+    first, second = mlp(0), nn.Linear(2, 1)
+    first, opt_first = setup(first, torch.optim.Adam(first.parameters(), lr=0.01))
+    second, opt_second = setup(second, torch.optim.SGD(second.parameters(), lr=0.1))
+    for x, y in data():
+        opt_second.zero_grad()
+        backward(second(first(x).detach()).pow(2).mean())
+        opt_second.step()
+        opt_first.zero_grad()
+        backward((second(first(x)) - 1).pow(2).mean(), **({} if fabric is None else {"model": first}))
+        opt_first.step()
+    return [first, second]
+
+
+@pytest.mark.parametrize("pattern", ["1 model, 1 optimizer", "1 model, 2 optimizers",
+                                     "2 models grouped, 1 optimizer", "2 models, 2 optimizers"])
+def test_patterns_match_plain_pytorch_bitwise(pattern):
+    plain = run_pattern(pattern, None)
+    wrapped = run_pattern(pattern, Fabric(accelerator="cpu"))
+    for a, b in zip(plain, wrapped):
+        assert_same_weights(a, b)
+
+
+def test_return_conventions_and_types():
+    fabric = Fabric(accelerator="cpu")
+    model = mlp()
+    assert isinstance(fabric.setup(model), FabricModule)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    out = fabric.setup(model, opt, scheduler=sched)
+    assert len(out) == 3 and out[2] is sched
+    assert isinstance(out[1], torch.optim.SGD) and out[1].optimizer is opt
+    assert list(out[0].state_dict()) == list(model.state_dict())  # no wrapper prefix
+    assert out[0].module is model
+    sched.step()  # the scheduler changes the learning rate the wrapped optimizer uses
+    assert out[1].param_groups[0]["lr"] == pytest.approx(0.01)
+
+
+def test_optimizer_state_dict_round_trips():
+    fabric = Fabric(accelerator="cpu")
+    model = mlp()
+    model, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+    for x, y in data():
+        opt.zero_grad()
+        fabric.backward(F.mse_loss(model(x), y))
+        opt.step()
+    state = opt.state_dict()
+    fresh = mlp()
+    fresh, fresh_opt = fabric.setup(fresh, torch.optim.Adam(fresh.parameters(), lr=0.5))
+    fresh_opt.load_state_dict(state)
+    assert fresh_opt.param_groups[0]["lr"] == 0.01
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+
+
+class TestValidation:
+    def test_module_set_up_twice(self):
+        fabric = Fabric(accelerator="cpu")
+        model = mlp()
+        wrapped = fabric.setup(model)
+        with pytest.raises(ValueError, match="should be passed only once"):
+            fabric.setup(wrapped)
+        with pytest.raises(ValueError, match="should be passed only once"):
+            fabric.setup(model)
+
+    def test_optimizer_set_up_twice(self):
+        fabric = Fabric(accelerator="cpu")
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _, wrapped_opt = fabric.setup(model, opt)
+        with pytest.raises(ValueError, match="optimizer should be passed only once"):
+            fabric.setup(mlp(), wrapped_opt)
+
+    def test_empty_setup_calls(self):
+        fabric = Fabric(accelerator="cpu")
+        with pytest.raises(ValueError, match="requires at least one optimizer"):
+            fabric.setup_optimizers()
+        with pytest.raises(ValueError, match="requires at least one dataloader"):
+            fabric.setup_dataloaders()
+
+    def test_scheduler_without_optimizer(self):
+        model = mlp()
+        sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+        with pytest.raises(ValueError, match="scheduler was passed to setup without any optimizer"):
+            Fabric(accelerator="cpu").setup(model, scheduler=sched)
+
+    def test_optimizer_of_another_module(self):
+        model, other = mlp(), mlp(1)
+        with pytest.raises(ValueError, match="do not belong to the Sequential"):
+            Fabric(accelerator="cpu").setup(model, torch.optim.SGD(other.parameters(), lr=0.1))
+
+    def test_split_setup_optimizer_needs_set_up_module(self):
+        fabric = Fabric(accelerator="cpu")
+        with pytest.raises(ValueError, match="Create the optimizer after setup_module"):
+            fabric.setup_optimizers(torch.optim.SGD(mlp().parameters(), lr=0.1))
+
+    @pytest.mark.parametrize("kwargs, message", [
+        ({"strategy": "horovod"}, "Unknown strategy 'horovod'. Choose one of: auto, single, ddp"),
+        ({"accelerator": "tpu"}, "Unknown accelerator 'tpu'. Choose one of: auto, cpu, cuda"),
+        ({"precision": "fp8"}, "Unknown precision 'fp8'. Choose one of: 32-true, bf16-mixed"),
+        ({"devices": 0}, "devices must be a whole number >= 1"),
+        ({"devices": 10_000}, "devices=10000 but this machine has"),
+        ({"num_nodes": 0}, "num_nodes must be a whole number >= 1"),
+        ({"strategy": "single", "devices": 2}, "strategy='single' runs one process"),
+    ])
+    def test_bad_constructor_arguments(self, kwargs, message):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            Fabric(accelerator=kwargs.pop("accelerator", "cpu"), **kwargs)
+
+    def test_cuda_requested_without_cuda(self):
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA device is present")
+        with pytest.raises(RuntimeError, match="no CUDA device is visible"):
+            Fabric(accelerator="cuda")
+
+    def test_several_devices_need_launch(self):
+        fabric = Fabric(accelerator="cpu", strategy="ddp", devices=2)
+        with pytest.raises(RuntimeError, match="call `fabric.launch\\(\\)` before setup"):
+            fabric.setup(mlp())
+
+    def test_deepspeed_refuses_split_setup(self):
+        pytest.importorskip("deepspeed")
+        fabric = Fabric(accelerator="cpu", strategy="deepspeed_stage_2", devices=1)
+        fabric._launched = True  # the check comes before any process group is needed
+        with pytest.raises(RuntimeError, match="must be set up jointly"):
+            fabric.setup_module(mlp())
+        with pytest.raises(RuntimeError, match="must be set up jointly"):
+            fabric.setup_optimizers(torch.optim.SGD(mlp().parameters(), lr=0.1))
+
+    def test_unknown_module_option_namespace(self):
+        with pytest.raises(TypeError, match="per-module options are passed by strategy"):
+            Fabric(accelerator="cpu").setup(mlp(), find_unused_parameters=True)
+
+    def test_ambiguous_backward_under_16_mixed_names_the_fix(self):
+        fabric = Fabric(accelerator="cpu", precision="16-mixed")
+        first, second = mlp(0), nn.Linear(2, 1)
+        first, _ = fabric.setup(first, torch.optim.SGD(first.parameters(), lr=0.1))
+        second, _ = fabric.setup(second, torch.optim.SGD(second.parameters(), lr=0.1))
+        loss = second(first(torch.randn(3, 4))).float().mean()
+        with pytest.raises(ValueError, match="Pass it: `fabric.backward\\(loss, model=generator\\)`"):
+            fabric.backward(loss)
+
+
+def test_mark_forward_method_routes_through_wrapper():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+        def double(self, x):
+            return 2 * self.lin(x)
+
+    fabric = Fabric(accelerator="cpu", precision="bf16-mixed")
+    model = fabric.setup(Net())
+    model.mark_forward_method("double")
+    out = model.double(torch.randn(2, 4))
+    assert out.dtype == torch.float32  # went through autocast and the output conversion
+    assert model.module.forward.__func__ is Net.forward  # the redirection is undone
+    with pytest.raises(AttributeError, match="has no method 'triple'"):
+        model.mark_forward_method("triple")
+
+
+def test_frozen_stops_parameter_gradients_but_not_input_gradients():
+    fabric = Fabric(accelerator="cpu")
+    generator, discriminator = mlp(0), nn.Linear(2, 1)
+    generator, _ = fabric.setup(generator, torch.optim.SGD(generator.parameters(), lr=0.1))
+    discriminator, _ = fabric.setup(discriminator, torch.optim.SGD(discriminator.parameters(), lr=0.1))
+    with fabric.frozen(discriminator):
+        loss = discriminator(generator(torch.randn(3, 4))).mean()
+    fabric.backward(loss)  # the loss reaches one model only, so no model= is needed
+    assert all(p.grad is None for p in discriminator.parameters())
+    assert all(p.grad is not None for p in generator.parameters())
+    assert all(p.requires_grad for p in discriminator.parameters())  # restored afterwards
+
+
+class TestPrecision:
+    def test_bf16_mixed_autocasts_and_returns_float32(self):
+        fabric = Fabric(accelerator="cpu", precision="bf16-mixed")
+        model = fabric.setup(nn.Linear(4, 4))
+        seen = {}
+        model.module.register_forward_hook(lambda m, i, o: seen.update(dtype=o.dtype))
+        out = model(torch.randn(2, 4))
+        assert seen["dtype"] == torch.bfloat16 and out.dtype == torch.float32
+        assert model.module.weight.dtype == torch.float32
+
+    def test_bf16_true_converts_module_and_inputs(self):
+        fabric = Fabric(accelerator="cpu", precision="bf16-true")
+        model = fabric.setup(nn.Linear(4, 4))
+        assert model.module.weight.dtype == torch.bfloat16
+        assert model(torch.randn(2, 4)).dtype == torch.bfloat16
+
+    def test_16_mixed_keeps_one_loss_scale_per_optimizer(self):
+        fabric = Fabric(accelerator="cpu", precision="16-mixed")
+        first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+        first, opt_first = fabric.setup(first, torch.optim.SGD(first.parameters(), lr=0.1))
+        second, opt_second = fabric.setup(second, torch.optim.SGD(second.parameters(), lr=0.1))
+        scalers = fabric._precision.scalers
+        scale = scalers[id(opt_first.optimizer)].get_scale()
+        x = torch.randn(2, 4)
+        fabric.backward(first(x).float().mean() * float("inf"))  # overflow in the first model only
+        opt_first.step()
+        fabric.backward(second(x).float().mean() * 0.01)
+        opt_second.step()
+        assert scalers[id(opt_first.optimizer)].get_scale() < scale  # backed off
+        assert scalers[id(opt_second.optimizer)].get_scale() == scale  # undisturbed
+        assert torch.isfinite(first.module.weight).all()  # the overflowing step was skipped
+
+
+class TestCheckpoints:
+    def setup_run(self):
+        fabric = Fabric(accelerator="cpu")
+        model = mlp()
+        model, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+        for x, y in data():
+            opt.zero_grad()
+            fabric.backward(F.mse_loss(model(x), y))
+            opt.step()
+        return fabric, model, opt
+
+    def test_round_trip_and_unconsumed_keys(self, tmp_path):
+        fabric, model, opt = self.setup_run()
+        fabric.save(tmp_path / "a.ckpt", {"model": model, "optimizer": opt, "step": 4, "extra": [1, 2]})
+        fresh = mlp(5)
+        fresh, fresh_opt = fabric.setup(fresh, torch.optim.Adam(fresh.parameters(), lr=0.5))
+        state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+        rest = fabric.load(tmp_path / "a.ckpt", state)
+        assert rest == {"extra": [1, 2]} and state["step"] == 4
+        assert_same_weights(fresh, model)
+        assert fresh_opt.param_groups[0]["lr"] == 0.01
+
+    def test_missing_key_is_an_error_unless_not_strict(self, tmp_path):
+        fabric, model, opt = self.setup_run()
+        fabric.save(tmp_path / "a.ckpt", {"model": model})
+        with pytest.raises(CheckpointError, match="has no \\['optimizer'\\]"):
+            fabric.load(tmp_path / "a.ckpt", {"model": model, "optimizer": opt})
+        fabric.load(tmp_path / "a.ckpt", {"model": model, "optimizer": opt}, strict=False)
+
+    def test_write_is_atomic(self, tmp_path, monkeypatch):
+        fabric, model, opt = self.setup_run()
+        path = tmp_path / "a.ckpt"
+        fabric.save(path, {"model": model, "step": 1})
+        before = path.read_bytes()
+
+        def crash(obj, f, *args, **kwargs):
+            f.write(b"partial")
+            raise KeyboardInterrupt("killed mid-write")
+
+        monkeypatch.setattr(torch, "save", crash)
+        with pytest.raises(KeyboardInterrupt):
+            fabric.save(path, {"model": model, "step": 2})
+        assert path.read_bytes() == before
+        assert [p.name for p in tmp_path.iterdir()] == ["a.ckpt"]  # no temporary file left behind
+
+    def test_malicious_pickle_is_refused_without_running(self, tmp_path):
+        marker = tmp_path / "pwned"
+
+        class Exploit:
+            def __reduce__(self):
+                return (os.system, (f"touch {marker}",))
+
+        path = tmp_path / "evil.ckpt"
+        with open(path, "wb") as f:
+            pickle.dump({"format": "core-checkpoint", "version": 1, "state": Exploit()}, f)
+        torch.save({"format": "core-checkpoint", "version": 1, "state": {"x": Exploit()}}, tmp_path / "evil2.ckpt")
+        fabric = Fabric(accelerator="cpu")
+        for p in (path, tmp_path / "evil2.ckpt"):
+            with pytest.raises(CheckpointError, match="refused without running any of it"):
+                fabric.load(p, {"x": 0})
+        assert not marker.exists()
+
+    def test_truncated_corrupt_foreign_and_missing(self, tmp_path):
+        fabric, model, _ = self.setup_run()
+        good = tmp_path / "good.ckpt"
+        fabric.save(good, {"model": model})
+        (tmp_path / "truncated.ckpt").write_bytes(good.read_bytes()[:200])
+        (tmp_path / "corrupt.ckpt").write_bytes(b"\x00garbage" * 50)
+        torch.save(model.state_dict(), tmp_path / "foreign.ckpt")
+        for name, message in [("truncated", "truncated or corrupt"), ("corrupt", "truncated or corrupt"),
+                              ("foreign", "not written by core"), ("missing", "No checkpoint file")]:
+            with pytest.raises(CheckpointError, match=message):
+                fabric.load(tmp_path / f"{name}.ckpt", {"model": model})
+
+    def test_other_model_shape_names_the_keys(self, tmp_path):
+        fabric, model, _ = self.setup_run()
+        fabric.save(tmp_path / "a.ckpt", {"model": model})
+        other = fabric.setup(mlp(width=16))
+        with pytest.raises(CheckpointError, match=r"0.weight: checkpoint \(8, 4\) vs model \(16, 4\)"):
+            fabric.load(tmp_path / "a.ckpt", {"model": other})
+
+
+def test_setup_dataloaders_moves_and_keeps_order_on_one_process():
+    dataset = TensorDataset(torch.arange(10.0))
+    loader = DataLoader(dataset, batch_size=2, sampler=DistributedSampler(dataset, 1, 0, shuffle=True, seed=3))
+    wrapped = Fabric(accelerator="cpu").setup_dataloaders(loader)
+    assert isinstance(wrapped, FabricDataLoader) and len(wrapped) == 5
+    first = [b[0].tolist() for b in wrapped]
+    second = [b[0].tolist() for b in wrapped]
+    assert first != second  # set_epoch was called: a new order each pass
+    loader.sampler.set_epoch(0)
+    assert [b[0].tolist() for b in wrapped] == first  # ... unless the caller sets the epoch itself
+
+
+def test_seed_everything_is_reproducible():
+    seed_everything(7)
+    a = torch.rand(3)
+    seed_everything(7)
+    assert torch.equal(a, torch.rand(3))
+    with pytest.raises(TypeError):
+        seed_everything("7")
+
+
+def test_import_core_does_not_import_heavy_optional_packages():
+    import subprocess
+    import sys
+    code = "import sys, core; print(sorted(m for m in ('deepspeed', 'torchvision', 'matplotlib', 'lightning') " \
+           "if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__))).stdout
+    assert out.strip() == "[]"
