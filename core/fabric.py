@@ -83,6 +83,15 @@ class Fabric:
         self._optimizers_of = {}  # id(FabricModule) -> its wrapped optimizers
         self._modules = []  # FabricModules, in setup order
 
+    def __getstate__(self):  # ddp_spawn sends the Fabric to new processes; weak sets do not pickle
+        state = self.__dict__.copy()
+        state["_set_up_modules"] = state["_set_up_optimizers"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._set_up_modules, self._set_up_optimizers = weakref.WeakSet(), weakref.WeakSet()
+
     @staticmethod
     def _check_devices(devices, kind: str, env: dict | None) -> int:
         available = torch.cuda.device_count() if kind == "cuda" else (os.cpu_count() or 1)

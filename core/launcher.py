@@ -102,25 +102,36 @@ def _stop(children: dict) -> None:
             proc.kill()
 
 
+def _report_dead(children: dict, wait: float = 0.0) -> bool:
+    """Name every child that exited non-zero (waiting up to `wait` s for one to); True if any did."""
+    deadline = time.monotonic() + wait
+    while True:
+        dead = {rank: proc.poll() for rank, proc in children.items() if proc.poll() not in (None, 0)}
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    for rank, code in dead.items():
+        name = f" ({signal.Signals(-code).name})" if code < 0 and -code in signal.Signals._value2member_map_ else ""
+        print(f"[core] rank {rank} exited with code {code}{name}; stopping all ranks.", file=sys.stderr, flush=True)
+    return bool(dead)
+
+
 def _watch_children(children: dict) -> None:
     state = {"failed": False}
 
     def watch():
         while True:
-            for rank, proc in children.items():
-                code = proc.poll()
-                if code not in (None, 0):
-                    print(f"[core] rank {rank} exited with code {code}; stopping all ranks.", file=sys.stderr,
-                          flush=True)
-                    _stop(children)
-                    os._exit(1)
+            if _report_dead(children):
+                _stop(children)
+                os._exit(1)
             if all(proc.poll() == 0 for proc in children.values()):
                 return
             time.sleep(0.2)
 
-    def on_error(kind, value, tb):
+    def on_error(kind, value, tb):  # rank 0 failed, often because another rank died mid-collective
         state["failed"] = True
         sys.__excepthook__(kind, value, tb)
+        _report_dead(children, wait=2.0)
 
     def at_exit():  # rank 0 finished: wait for the other ranks, or stop them when rank 0 failed
         if state["failed"]:
@@ -174,6 +185,8 @@ def spawn(fn, num_processes: int, fabric, args, kwargs):
 
 
 def _spawned(rank, fn, num_processes, port, threads, fabric, args, kwargs, queue):
+    # The process ends with os._exit once its work is done: gloo's threads can abort the interpreter's
+    # normal shutdown ("terminate called without an active exception"), which would fail a good run.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(num_processes),
                       LOCAL_WORLD_SIZE=str(num_processes), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
     torch.set_num_threads(threads)
@@ -181,3 +194,8 @@ def _spawned(rank, fn, num_processes, port, threads, fabric, args, kwargs, queue
     result = fn(fabric, *args, **kwargs)
     if rank == 0:
         queue.put(result)
+    fabric.barrier()
+    fabric._strategy.teardown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -74,13 +74,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--split-setup", action="store_true", help="setup_module, then setup_optimizers")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    fabric = Fabric(accelerator="cpu", strategy=args.strategy, devices=args.devices)
+    fabric = Fabric(accelerator="cpu", strategy=args.strategy, devices=args.devices, num_nodes=args.num_nodes)
     fabric.launch()
     model = make_model()
     if args.split_setup:
