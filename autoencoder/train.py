@@ -16,7 +16,8 @@ from autoencoder.data import CHANNELS, load_splits, make_loader
 from autoencoder.model import AutoEncoder
 from autoencoder.report import evaluate, finish
 from common.config import cli
-from common.run import Preemption, RunDir, batches, check_finite, check_resume_config, resume_path, write_config
+from common.run import (Preemption, RunDir, batches, check_finite, check_resume_config, check_weights, resume_path,
+                        write_config)
 from core import Fabric
 from core.cli import FabricFlags
 
@@ -61,8 +62,10 @@ def main(config: Config) -> dict:
             check_finite(loss, step, run.checkpoint)
             run.log({"step": state["step"], "loss": loss.item()})
         if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
+            check_weights(state, state["step"], run.checkpoint)
             fabric.save(run.checkpoint, state)
     progress.close()
+    check_weights(state, state["step"], run.checkpoint)
     fabric.save(run.checkpoint, state)
     if preemption.requested:
         return preemption.report(run, state["step"])

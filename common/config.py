@@ -55,12 +55,16 @@ def parse(config_class, argv=None, prog=None, description=None):
 
 def cli(main, *config_classes, prog: str, description: str = ""):
     """Run `main(config)` from the command line: bad input (flags, data, checkpoints: ValueError and
-    FileNotFoundError) exits with status 2 and one line; anything else is a bug and keeps its traceback."""
+    FileNotFoundError) exits with status 2 and one line, a diverged run (FloatingPointError) with 1 and
+    one line; anything else is a bug and keeps its traceback."""
     config = parse(merge(*config_classes), prog=prog, description=description)
     try:
         return main(config)
     except (ValueError, FileNotFoundError) as error:
         error_exit(prog, str(error))
+    except FloatingPointError as error:  # the run diverged: not misuse, but no traceback is needed either
+        sys.stderr.write(f"{prog}: stopped: {error}\n")
+        sys.exit(1)
 
 
 def error_exit(prog: str, message: str):

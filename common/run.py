@@ -12,6 +12,8 @@ import signal
 import time
 from pathlib import Path
 
+import torch
+
 # Fields that do not change what is computed: they may differ between a run and its resume.
 RESUMABLE_CHANGES = {"out", "resume", "max_steps", "checkpoint_every", "log_every", "num_workers", "data_root",
                      "download", "devices", "num_nodes", "strategy", "accelerator"}
@@ -132,16 +134,28 @@ class Preemption:
 
 
 def check_finite(loss, step: int, checkpoint: Path) -> None:
+    """Stop the run, before anything is saved, when the loss of `step` is NaN or infinite."""
     if not bool(loss.isfinite().all()):
         raise FloatingPointError(f"the loss is not finite at step {step} ({loss.item()}); stopping without "
                                  f"saving. The last good checkpoint is {checkpoint}: resume from it with a lower "
                                  f"learning rate or another seed.")
 
 
-def step_generator(seed: int, rank: int, step: int) -> "torch.Generator":
+def check_weights(state: dict, step: int, checkpoint: Path) -> None:
+    """Refuse to write a checkpoint over a good one when an update left NaN or infinite weights (this
+    process's shard of them, under a sharding strategy: the other processes then stop with it)."""
+    for name, value in state.items():
+        for param in getattr(value, "parameters", lambda: ())():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if not bool(local.detach().isfinite().all()):
+                raise FloatingPointError(f"{name} has non-finite weights after step {step}; stopping without "
+                                         f"saving over the last good checkpoint {checkpoint}. Resume from it with "
+                                         f"a lower learning rate or another seed.")
+
+
+def step_generator(seed: int, rank: int, step: int) -> torch.Generator:
     """A CPU generator for the random draws of one step on one rank, a pure function of (seed, rank, step):
     a resumed run draws exactly the noise the uninterrupted run drew, with no RNG state to save."""
-    import torch
     return torch.Generator().manual_seed(hash((seed, rank, step)) & (2**63 - 1))
 
 
@@ -152,7 +166,6 @@ def write_config(run: RunDir, config) -> None:
 def save_plain(path: Path, state: dict) -> None:
     """The plain variant's checkpoint: state_dicts of the (DDP-unwrapped) models and optimizers plus plain
     values, written to a temporary file and renamed, so a crash mid-write keeps the previous checkpoint."""
-    import torch
     data = {key: getattr(value, "module", value).state_dict() if hasattr(value, "state_dict") else value
             for key, value in state.items()}
     torch.save(data, f"{path}.tmp")
@@ -161,7 +174,6 @@ def save_plain(path: Path, state: dict) -> None:
 
 def load_plain(path: Path, state: dict, device) -> None:
     """Restore what save_plain wrote into `state` in place (weights_only: nothing in the file is executed)."""
-    import torch
     saved = torch.load(path, map_location=device, weights_only=True)
     for key, value in state.items():
         if hasattr(value, "load_state_dict"):

@@ -30,8 +30,9 @@ def finish(run, config, generated: torch.Tensor, started: float, steps: int) -> 
                "config": dataclasses.asdict(config)}
     run.write_json("summary.json", summary)
     run.plot_losses(["loss_d", "loss_g"])
+    nan = float("nan")
     print(f"Run directory: {run.path}  samples: {run.path / 'samples'}  "
-          f"classifier FID: {summary.get('fid_classifier', float('nan')):.2f} "
-          f"(real floor {summary.get('fid_real_floor', float('nan')):.2f}, noise {summary.get('fid_noise', float('nan')):.1f})"
-          f"  class entropy: {summary.get('class_entropy', float('nan')):.3f} of 2.303")
+          f"classifier FID: {summary.get('fid_classifier', nan):.2f} (real floor "
+          f"{summary.get('fid_real_floor', nan):.2f}, noise {summary.get('fid_noise', nan):.1f})  "
+          f"class entropy: {summary.get('class_entropy', nan):.3f} of 2.303")
     return summary

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common.config import cli
-from common.run import Preemption, RunDir, batches, check_finite, check_resume_config, resume_path, write_config
+from common.run import (Preemption, RunDir, batches, check_finite, check_resume_config, check_weights, resume_path,
+                        step_generator, write_config)
 from core import Fabric
 from core.cli import FabricFlags
 from gan.config import Config
@@ -50,7 +51,7 @@ def main(config: Config) -> dict:
         run.truncate_metrics(state["step"])
     write_config(run, config)
 
-    fixed_noise = fabric.to_device(torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(config.seed)))
+    fixed_noise = fabric.to_device(torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(1)))
     preemption = Preemption()
     started = time.time()
     progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="gan")
@@ -88,8 +89,10 @@ def main(config: Config) -> dict:
             with torch.no_grad():
                 save_samples(run, generator(fixed_noise), state["step"])
         if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
+            check_weights(state, state["step"], run.checkpoint)
             fabric.save(run.checkpoint, state)
     progress.close()
+    check_weights(state, state["step"], run.checkpoint)
     fabric.save(run.checkpoint, state)
     if preemption.requested:
         return preemption.report(run, state["step"])

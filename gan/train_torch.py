@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from common.config import cli
-from common.run import Preemption, RunDir, batches, check_finite, check_resume_config, resume_path, write_config
+from common.run import (Preemption, RunDir, batches, check_finite, check_resume_config, check_weights, resume_path,
+                        step_generator, write_config)
 from common.run import load_plain, save_plain
 from gan.config import Config
 from gan.data import CHANNELS, load_images, make_loader
@@ -53,7 +54,7 @@ def main(config: Config) -> dict:
         run.truncate_metrics(state["step"])
     write_config(run, config)
 
-    fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(config.seed)).to(device)
+    fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(1)).to(device)
     preemption = Preemption()
     started = time.time()
     progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="gan")
@@ -91,9 +92,11 @@ def main(config: Config) -> dict:
             with torch.no_grad():
                 save_samples(run, generator(fixed_noise), state["step"])
         if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
+            check_weights(state, state["step"], run.checkpoint)
             if rank == 0:
                 save_plain(run.checkpoint, state)
     progress.close()
+    check_weights(state, state["step"], run.checkpoint)
     if rank == 0:
         save_plain(run.checkpoint, state)
     if preemption.requested:

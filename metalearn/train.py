@@ -11,7 +11,8 @@ import torch
 from tqdm import tqdm
 
 from common.config import cli
-from common.run import Preemption, RunDir, check_finite, check_resume_config, resume_path, step_generator, write_config
+from common.run import (Preemption, RunDir, check_finite, check_resume_config, check_weights, resume_path,
+                        step_generator, write_config)
 from core import Fabric
 from core.cli import FabricFlags
 from metalearn.config import Config
@@ -52,8 +53,10 @@ def main(config: Config) -> dict:
         if preemption.requested:
             break
         # every rank draws the whole meta-batch from (seed, step) and keeps its own share of the tasks
-        meta_batch = tasks.sample(config.batch_size, config.shots, config.queries, step_generator(config.seed, 0, step))
-        support_x, support_y, query_x, query_y = (fabric.to_device(t.tensor_split(world_size)[rank]) for t in meta_batch)
+        generator = step_generator(config.seed, 0, step)
+        meta_batch = tasks.sample(config.batch_size, config.shots, config.queries, generator)
+        support_x, support_y, query_x, query_y = (fabric.to_device(t.tensor_split(world_size)[rank])
+                                                  for t in meta_batch)
         # the sum over this rank's tasks, scaled so that the gradient averaged across ranks is the
         # gradient of the mean over the whole meta-batch, however unevenly it splits
         loss = learner(support_x, support_y, query_x, query_y).sum() * world_size / config.batch_size
@@ -67,8 +70,10 @@ def main(config: Config) -> dict:
             check_finite(loss, step, run.checkpoint)
             run.log({"step": state["step"], "loss": loss.item()})
         if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
+            check_weights(state, state["step"], run.checkpoint)
             fabric.save(run.checkpoint, state)
     progress.close()
+    check_weights(state, state["step"], run.checkpoint)
     fabric.save(run.checkpoint, state)
     if preemption.requested:
         return preemption.report(run, state["step"])

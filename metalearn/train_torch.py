@@ -14,7 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from common.config import cli
-from common.run import Preemption, RunDir, check_finite, check_resume_config, resume_path, step_generator, write_config
+from common.run import (Preemption, RunDir, check_finite, check_resume_config, check_weights, resume_path,
+                        step_generator, write_config)
 from common.run import load_plain, save_plain
 from metalearn.config import Config
 from metalearn.data import make_tasks
@@ -55,7 +56,8 @@ def main(config: Config) -> dict:
         if preemption.requested:
             break
         # every rank draws the whole meta-batch from (seed, step) and keeps its own share of the tasks
-        meta_batch = tasks.sample(config.batch_size, config.shots, config.queries, step_generator(config.seed, 0, step))
+        generator = step_generator(config.seed, 0, step)
+        meta_batch = tasks.sample(config.batch_size, config.shots, config.queries, generator)
         support_x, support_y, query_x, query_y = (t.tensor_split(world_size)[rank].to(device) for t in meta_batch)
         # the sum over this rank's tasks, scaled so that the gradient averaged across ranks is the
         # gradient of the mean over the whole meta-batch, however unevenly it splits
@@ -70,9 +72,11 @@ def main(config: Config) -> dict:
             check_finite(loss, step, run.checkpoint)
             run.log({"step": state["step"], "loss": loss.item()})
         if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
+            check_weights(state, state["step"], run.checkpoint)
             if rank == 0:
                 save_plain(run.checkpoint, state)
     progress.close()
+    check_weights(state, state["step"], run.checkpoint)
     if rank == 0:
         save_plain(run.checkpoint, state)
     if preemption.requested:
