@@ -27,3 +27,9 @@ class Config(RunConfig):
         super().check()
         if self.inner_steps < 0 or self.shots < 1 or self.queries < 1:
             raise ValueError("--inner-steps must be >= 0, --shots and --queries >= 1")
+        if getattr(self, "strategy", "").startswith("deepspeed"):  # the wrapped variant's flag
+            raise ValueError(
+                "MAML cannot run under DeepSpeed: its inner loop takes parameter gradients inside forward, and "
+                "ZeRO's gradient hooks also fire on those (stages 1-2 gave a meta-gradient off by 3e-4 after 5 "
+                "steps) or cannot be vmapped (stage 3), so the meta-gradient would be wrong. Use --strategy ddp "
+                "or fsdp, which are exact.")
