@@ -13,13 +13,13 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader
 
-from core import checkpoint, launcher
+from core import checkpoint, launcher, validation
 from core.precision import Precision
 from core.seed import seed_everything
 from core.strategies import DDP, STRATEGIES, SingleDevice, frozen_parameters
-from core.wrappers import FabricDataLoader, FabricModule, FabricOptimizer, wrap_optimizer
+from core.wrappers import FabricDataLoader, FabricModule, FabricOptimizer, shard_loader, wrap_optimizer
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 
@@ -61,7 +61,7 @@ class Fabric:
         kind = "cuda" if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available()) \
             else "cpu"
         env = launcher.cluster_environment()
-        devices = self._check_devices(devices, kind, env)
+        devices = validation.check_devices(devices, kind, env)
         if not isinstance(num_nodes, int) or num_nodes < 1:
             raise ValueError(f"num_nodes must be a whole number >= 1, got {num_nodes!r}.")
         if strategy == "auto":
@@ -91,23 +91,6 @@ class Fabric:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._set_up_modules, self._set_up_optimizers = weakref.WeakSet(), weakref.WeakSet()
-
-    @staticmethod
-    def _check_devices(devices, kind: str, env: dict | None) -> int:
-        available = torch.cuda.device_count() if kind == "cuda" else (os.cpu_count() or 1)
-        if devices == "auto":
-            return env["local_world_size"] if env else (available if kind == "cuda" else 1)
-        if isinstance(devices, str) and devices.isdigit():
-            devices = int(devices)
-        if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-            raise ValueError(f"devices must be a whole number >= 1 or 'auto', got {devices!r}.")
-        if devices > available:
-            what = "CUDA devices" if kind == "cuda" else "CPU cores (one process per core)"
-            raise ValueError(f"devices={devices} but this machine has {available} {what}. Use devices<={available}.")
-        if env and env["local_world_size"] != devices:
-            raise ValueError(f"The launcher started {env['local_world_size']} processes per node but devices="
-                             f"{devices}. Pass devices={env['local_world_size']} (or 'auto').")
-        return devices
 
     # --- launching --------------------------------------------------------------------------------
     def launch(self, fn=None, *args, **kwargs):
@@ -165,12 +148,12 @@ class Fabric:
         for wrap_modules, reshard_after_forward, cpu_offload. Options for another strategy than the one
         running are not used, so one script can carry the options of each."""
         self._check_launched()
-        self._check_module(module)
-        self._check_optimizers(optimizers)
+        validation.check_module(module, self._set_up_modules)
+        validation.check_optimizers(optimizers, self._set_up_optimizers)
         if scheduler is not None and not optimizers:
             raise ValueError("A scheduler was passed to setup without any optimizer; pass the optimizer it "
                              "schedules too: setup(model, optimizer, scheduler=scheduler).")
-        self._check_ownership(module, optimizers)
+        validation.check_ownership(module, optimizers)
         module = self._prepare(module, move_to_device)
         forward_module, optimizers = self._strategy.setup_module_and_optimizers(
             module, list(optimizers), **self._module_options(module_options))
@@ -186,7 +169,7 @@ class Fabric:
             raise RuntimeError(f"The {self._strategy_name!r} strategy does not support setting up the module and "
                                f"optimizer(s) independently: model and optimizers must be set up jointly. Use "
                                f"`fabric.setup(model, *optimizers)`.")
-        self._check_module(module)
+        validation.check_module(module, self._set_up_modules)
         module = self._prepare(module, move_to_device)
         return self._register_module(self._strategy.setup_module(module, **self._module_options(module_options)),
                                      module)
@@ -207,7 +190,7 @@ class Fabric:
                                f"`fabric.setup(model, *optimizers)`.")
         if not optimizers:
             raise ValueError("`setup_optimizers` requires at least one optimizer.")
-        self._check_optimizers(optimizers)
+        validation.check_optimizers(optimizers, self._set_up_optimizers)
         wrapped = []
         for opt in optimizers:
             owner = self._owner_module(opt)
@@ -226,62 +209,10 @@ class Fabric:
             if not isinstance(loader, DataLoader):
                 raise TypeError(f"setup_dataloaders takes torch DataLoaders, got {type(loader).__name__}.")
             if use_distributed_sampler and self.world_size > 1:
-                loader = self._shard(loader)
+                loader = shard_loader(loader, self.world_size, self.global_rank)
             move = self.to_device if move_to_device and self.device.type != "cpu" else None
             wrapped.append(FabricDataLoader(loader, move))
         return wrapped[0] if len(wrapped) == 1 else wrapped
-
-    def _shard(self, loader: DataLoader) -> DataLoader:
-        sampler = loader.sampler
-        if isinstance(sampler, DistributedSampler):
-            if sampler.num_replicas == self.world_size and sampler.rank == self.global_rank:
-                return loader
-            shuffle, seed = sampler.shuffle, sampler.seed
-        elif isinstance(sampler, (RandomSampler, SequentialSampler)):
-            shuffle = isinstance(sampler, RandomSampler)
-            seed = loader.generator.initial_seed() if loader.generator is not None else 0
-        else:
-            raise ValueError(f"setup_dataloaders cannot shard a {type(sampler).__name__}: pass "
-                             f"use_distributed_sampler=False and give each process its own part of the data.")
-        if loader.batch_size is None:
-            raise ValueError("setup_dataloaders cannot shard a loader built with batch_sampler: build it with "
-                             "batch_size, or pass use_distributed_sampler=False and shard it yourself.")
-        new_sampler = DistributedSampler(loader.dataset, num_replicas=self.world_size, rank=self.global_rank,
-                                         shuffle=shuffle, seed=seed, drop_last=loader.drop_last)
-        extra = {"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}
-        return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=new_sampler,
-                          num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                          pin_memory=loader.pin_memory, drop_last=loader.drop_last, timeout=loader.timeout,
-                          worker_init_fn=loader.worker_init_fn, generator=loader.generator,
-                          persistent_workers=loader.persistent_workers, **extra)
-
-    def _check_module(self, module) -> None:
-        if isinstance(module, FabricModule):
-            raise ValueError("A model should be passed only once to the `setup` method: this one is already "
-                             "set up. Pass the original module, or keep using the set-up one.")
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"setup takes an nn.Module first, got {type(module).__name__}.")
-        if module in self._set_up_modules:
-            raise ValueError(f"A model should be passed only once to the `setup` method: this "
-                             f"{type(module).__name__} was set up already; use the module setup returned.")
-
-    def _check_optimizers(self, optimizers) -> None:
-        for opt in optimizers:
-            if isinstance(opt, FabricOptimizer) or opt in self._set_up_optimizers:
-                raise ValueError("An optimizer should be passed only once to the `setup` method.")
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(f"Expected torch.optim.Optimizer objects, got {type(opt).__name__}.")
-
-    @staticmethod
-    def _check_ownership(module: nn.Module, optimizers) -> None:
-        own = {id(p) for p in module.parameters()}
-        for i, opt in enumerate(optimizers):
-            foreign = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in own)
-            if foreign:
-                raise ValueError(f"Optimizer {i} ({type(opt).__name__}) has {foreign} parameter(s) that do not "
-                                 f"belong to the {type(module).__name__} it is set up with. Set each optimizer up "
-                                 f"with the module whose parameters it updates, or group the models under one "
-                                 f"nn.Module.")
 
     def _owner_module(self, optimizer) -> FabricModule:
         params = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -330,7 +261,7 @@ class Fabric:
             if self._precision.scalers:
                 tensor = self._precision.scale_loss(tensor, next(iter(self._precision.scalers)))
             return self._strategy.backward(tensor, model, *args, **kwargs)
-        module = model if model is not None else self._module_of_loss(tensor)
+        module = model if model is not None else validation.module_of_loss(tensor, self._modules)
         if self._precision.scalers:
             optimizers = self._optimizers_of.get(id(module), [])
             if len(optimizers) != 1:
@@ -338,28 +269,6 @@ class Fabric:
                                  f"{len(optimizers)} optimizers; set up one optimizer per model under 16-mixed.")
             tensor = self._precision.scale_loss(tensor, id(optimizers[0].optimizer))
         return self._strategy.backward(tensor, module, *args, **kwargs)
-
-    def _module_of_loss(self, loss: torch.Tensor) -> FabricModule:
-        """The one set-up module whose trainable parameters this loss reaches, found in its autograd graph."""
-        if len(self._modules) == 1:
-            return self._modules[0]
-        leaves, seen, stack = set(), set(), [loss.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is None or fn in seen:
-                continue
-            seen.add(fn)
-            variable = getattr(fn, "variable", None)
-            if variable is not None:
-                leaves.add(id(variable))
-            stack.extend(next_fn for next_fn, _ in fn.next_functions)
-        owners = [m for m in self._modules if any(id(p) in leaves for p in m.parameters())]
-        if len(owners) == 1:
-            return owners[0]
-        names = ", ".join(type(m.module).__name__ for m in owners) or "none"
-        raise ValueError(f"Cannot tell which set-up model this loss is for: it reaches the parameters of {names}. "
-                         f"Pass it: `fabric.backward(loss, model=generator)`, or exclude the other model with "
-                         f"`with fabric.frozen(discriminator): ...` around its forward.")
 
     def clip_gradients(self, module: FabricModule, optimizer: FabricOptimizer, clip_val=None, max_norm=None,
                        norm_type: float = 2.0):
@@ -429,15 +338,11 @@ class Fabric:
         if reduce_op not in ("mean", "sum"):
             raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}.")
         tensor = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=torch.float64)
-        return self._strategy.all_reduce(tensor.to(self._collective_device), reduce_op)
+        return self._strategy.all_reduce(tensor.to(self.device), reduce_op)
 
     def all_gather(self, data):
         tensor = data if isinstance(data, torch.Tensor) else torch.tensor(data)
-        return self._strategy.all_gather(tensor.to(self._collective_device))
-
-    @property
-    def _collective_device(self):
-        return self.device
+        return self._strategy.all_gather(tensor.to(self.device))
 
     @property
     def device(self) -> torch.device:

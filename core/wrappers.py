@@ -5,7 +5,7 @@ and stepping the optimizer is stepping the original optimizer, so the wrapper co
 """
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 
 class FabricModule(nn.Module):
@@ -178,3 +178,29 @@ class FabricDataLoader:
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
+
+
+def shard_loader(loader: DataLoader, world_size: int, rank: int) -> DataLoader:
+    """The same loader with a DistributedSampler that gives this rank its share (seed and shuffle kept)."""
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler):
+        if sampler.num_replicas == world_size and sampler.rank == rank:
+            return loader
+        shuffle, seed = sampler.shuffle, sampler.seed
+    elif isinstance(sampler, (RandomSampler, SequentialSampler)):
+        shuffle = isinstance(sampler, RandomSampler)
+        seed = loader.generator.initial_seed() if loader.generator is not None else 0
+    else:
+        raise ValueError(f"setup_dataloaders cannot shard a {type(sampler).__name__}: pass "
+                         f"use_distributed_sampler=False and give each process its own part of the data.")
+    if loader.batch_size is None:
+        raise ValueError("setup_dataloaders cannot shard a loader built with batch_sampler: build it with "
+                         "batch_size, or pass use_distributed_sampler=False and shard it yourself.")
+    new_sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
+                                     shuffle=shuffle, seed=seed, drop_last=loader.drop_last)
+    extra = {"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}
+    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=new_sampler,
+                      num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                      pin_memory=loader.pin_memory, drop_last=loader.drop_last, timeout=loader.timeout,
+                      worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+                      persistent_workers=loader.persistent_workers, **extra)

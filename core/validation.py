@@ -1,0 +1,75 @@
+"""The checks behind Fabric's error messages: each says what was wrong and what to do instead."""
+import os
+
+import torch
+from torch import nn
+
+from core.wrappers import FabricModule, FabricOptimizer
+
+
+def check_devices(devices, kind: str, env: dict | None) -> int:
+    available = torch.cuda.device_count() if kind == "cuda" else (os.cpu_count() or 1)
+    if devices == "auto":
+        return env["local_world_size"] if env else (available if kind == "cuda" else 1)
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ValueError(f"devices must be a whole number >= 1 or 'auto', got {devices!r}.")
+    if devices > available:
+        what = "CUDA devices" if kind == "cuda" else "CPU cores (one process per core)"
+        raise ValueError(f"devices={devices} but this machine has {available} {what}. Use devices<={available}.")
+    if env and env["local_world_size"] != devices:
+        raise ValueError(f"The launcher started {env['local_world_size']} processes per node but devices="
+                         f"{devices}. Pass devices={env['local_world_size']} (or 'auto').")
+    return devices
+
+
+def check_module(module, set_up) -> None:
+    if isinstance(module, FabricModule):
+        raise ValueError("A model should be passed only once to the `setup` method: this one is already "
+                         "set up. Pass the original module, or keep using the set-up one.")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"setup takes an nn.Module first, got {type(module).__name__}.")
+    if module in set_up:
+        raise ValueError(f"A model should be passed only once to the `setup` method: this "
+                         f"{type(module).__name__} was set up already; use the module setup returned.")
+
+def check_optimizers(optimizers, set_up) -> None:
+    for opt in optimizers:
+        if isinstance(opt, FabricOptimizer) or opt in set_up:
+            raise ValueError("An optimizer should be passed only once to the `setup` method.")
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"Expected torch.optim.Optimizer objects, got {type(opt).__name__}.")
+
+def check_ownership(module: nn.Module, optimizers) -> None:
+    own = {id(p) for p in module.parameters()}
+    for i, opt in enumerate(optimizers):
+        foreign = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in own)
+        if foreign:
+            raise ValueError(f"Optimizer {i} ({type(opt).__name__}) has {foreign} parameter(s) that do not "
+                             f"belong to the {type(module).__name__} it is set up with. Set each optimizer up "
+                             f"with the module whose parameters it updates, or group the models under one "
+                             f"nn.Module.")
+
+
+def module_of_loss(loss: torch.Tensor, modules: list) -> FabricModule:
+    """The one set-up module whose trainable parameters this loss reaches, found in its autograd graph."""
+    if len(modules) == 1:
+        return modules[0]
+    leaves, seen, stack = set(), set(), [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    owners = [m for m in modules if any(id(p) in leaves for p in m.parameters())]
+    if len(owners) == 1:
+        return owners[0]
+    names = ", ".join(type(m.module).__name__ for m in owners) or "none"
+    raise ValueError(f"Cannot tell which set-up model this loss is for: it reaches the parameters of {names}. "
+                     f"Pass it: `fabric.backward(loss, model=generator)`, or exclude the other model with "
+                     f"`with fabric.frozen(discriminator): ...` around its forward.")
