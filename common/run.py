@@ -137,8 +137,13 @@ def check_finite(loss, step: int, checkpoint: Path) -> None:
     """Stop the run, before anything is saved, when the loss of `step` is NaN or infinite."""
     if not bool(loss.isfinite().all()):
         raise FloatingPointError(f"the loss is not finite at step {step} ({loss.item()}); stopping without "
-                                 f"saving. The last good checkpoint is {checkpoint}: resume from it with a lower "
-                                 f"learning rate or another seed.")
+                                 f"saving. {_last_good(checkpoint)}")
+
+
+def _last_good(checkpoint: Path) -> str:
+    if checkpoint.is_file():
+        return f"The last good checkpoint is {checkpoint}: resume from it with a lower learning rate or another seed."
+    return "No checkpoint had been written yet: start again with a lower learning rate or another seed."
 
 
 def check_weights(state: dict, step: int, checkpoint: Path) -> None:
@@ -149,8 +154,7 @@ def check_weights(state: dict, step: int, checkpoint: Path) -> None:
             local = param.to_local() if hasattr(param, "to_local") else param
             if not bool(local.detach().isfinite().all()):
                 raise FloatingPointError(f"{name} has non-finite weights after step {step}; stopping without "
-                                         f"saving over the last good checkpoint {checkpoint}. Resume from it with "
-                                         f"a lower learning rate or another seed.")
+                                         f"saving. {_last_good(checkpoint)}")
 
 
 def step_generator(seed: int, rank: int, step: int) -> torch.Generator:

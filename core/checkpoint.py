@@ -7,6 +7,7 @@ arbitrary pickled objects to load is refused, and nothing in it is executed.
 """
 import os
 import pickle
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -49,7 +50,9 @@ def load_checkpoint(path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"No checkpoint file at {path}" + (" (it is a directory)" if path.is_dir() else "") + ".")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a foreign pickle's protocol warning would only add noise to our error
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            data = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         imports = _imports_in(path)

@@ -127,7 +127,7 @@ KILL_SCRIPT = """
 import os, sys, time
 from pathlib import Path
 from core import Fabric
-fabric = Fabric(accelerator="cpu", strategy="ddp", devices=2)
+fabric = Fabric(accelerator="cpu", strategy=sys.argv[3], devices=2)
 fabric.launch()
 Path(sys.argv[2], f"pid{fabric.global_rank}").write_text(str(os.getpid()))
 fabric.barrier()
@@ -138,12 +138,14 @@ time.sleep(120)
 """
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_a_killed_rank_ends_the_whole_run_fast(tmp_path, victim):
+@pytest.mark.parametrize("strategy, victim", [("ddp", 1), ("ddp", 0), ("fsdp", 1), ("deepspeed_stage_2", 1)])
+def test_a_killed_rank_ends_the_whole_run_fast(tmp_path, strategy, victim):
+    if strategy.startswith("deepspeed"):
+        pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
     script = tmp_path / "kill.py"
     script.write_text(textwrap.dedent(KILL_SCRIPT))
     started = time.monotonic()
-    result = run([str(script), str(victim), str(tmp_path)], check=False, timeout=90)
+    result = run([str(script), str(victim), str(tmp_path), strategy], check=False, timeout=90)
     assert result.returncode != 0
     deadline = time.monotonic() + 20
     pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]

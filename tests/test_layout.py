@@ -1,0 +1,88 @@
+"""The shape of the suite is part of its promise: the plain and the wrapped script of each workload
+differ only where core replaces something, and the files keep to their roles."""
+import ast
+import difflib
+import io
+import tokenize
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BUDGETS = {"gan": 50, "autoencoder": 40, "metalearn": 40}  # changed lines, comments and blanks stripped
+
+
+def code_lines(path: Path) -> list[str]:
+    """Source lines without comments, docstrings and blank lines."""
+    source = path.read_text()
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node) is not None:
+            first = node.body[0]
+            docstrings.update(range(first.lineno, first.end_lineno + 1))
+    comments = {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.start[1]
+    lines = []
+    for number, line in enumerate(source.splitlines(), 1):
+        if number in docstrings:
+            continue
+        if number in comments:
+            line = line[:comments[number]]
+        if line.strip():
+            lines.append(line.rstrip())
+    return lines
+
+
+def changed_lines(a: Path, b: Path) -> list[str]:
+    diff = difflib.unified_diff(code_lines(a), code_lines(b), lineterm="", n=0)
+    return [line for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+
+
+@pytest.mark.parametrize("workload", sorted(BUDGETS))
+def test_sdiff_of_plain_and_wrapped_stays_within_budget(workload):
+    changed = changed_lines(ROOT / workload / "train_torch.py", ROOT / workload / "train.py")
+    assert len(changed) <= BUDGETS[workload], "\n".join(changed)
+
+
+def test_the_budget_counter_counts_code_not_comments(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text('"""doc"""\nx = 1  # one\n\ny = 2\n')
+    b.write_text('"""other doc"""\nx = 1  # uno\n# new comment\ny = 3\n')
+    assert changed_lines(a, b) == ["-y = 2", "+y = 3"]
+
+
+def imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("workload", sorted(BUDGETS))
+def test_files_keep_to_their_roles(workload):
+    folder = ROOT / workload
+    plain, wrapped = imports(folder / "train_torch.py"), imports(folder / "train.py")
+    assert not any(name == "core" or name.startswith("core.") for name in plain), "the plain variant imports core"
+    assert "core" in wrapped
+    assert not any(name.startswith("torch.distributed") for name in wrapped), "distribution belongs in core"
+    for both in (plain, wrapped):  # model and data are imported by both scripts, never copied
+        assert f"{workload}.model" in both
+    for path in folder.glob("*.py"):
+        if path.stem not in ("train", "train_torch"):
+            assert not any(n.startswith(("core", "torch.distributed")) for n in imports(path)), path.name
+
+
+def test_common_helpers_are_plain_pytorch():
+    for path in (ROOT / "common").glob("*.py"):
+        assert not any(n.startswith(("core", "torch.distributed")) for n in imports(path)), path.name
+
+
+def test_every_file_opens_with_a_docstring():
+    for folder in ("core", "common", "gan", "autoencoder", "metalearn", "benchmarks"):
+        for path in (ROOT / folder).glob("*.py"):
+            assert ast.get_docstring(ast.parse(path.read_text())), path
