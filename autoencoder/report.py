@@ -46,7 +46,7 @@ def finish(run, config, results: dict, started: float, steps: int) -> dict:
         ax.set_title("test codes")
         fig.savefig(run.path / "codes.png", dpi=100)
         plt.close(fig)
-    summary = {**results, "steps": steps, "train_seconds": round(time.time() - started, 1),
+    summary = {**results, "steps": steps, "train_seconds": round(time.time() - started, 1), **run.resources(),
                "config": dataclasses.asdict(config)}
     run.write_json("summary.json", summary)
     run.plot_losses(["loss"])

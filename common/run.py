@@ -23,6 +23,7 @@ class RunDir:
     def __init__(self, out: str, workload: str, write: bool = True):
         self.path = Path(out or f"runs/{workload}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.write = write  # False on every rank but 0
+        self.started = time.perf_counter()
         if write:
             try:
                 (self.path / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -38,9 +39,20 @@ class RunDir:
         return self.path / "checkpoints" / "last.ckpt"
 
     def log(self, record: dict) -> None:
+        """Append one record, stamped with the seconds since the run (or its resume) started."""
         if self.write:
+            record = {**record, "time": round(time.perf_counter() - self.started, 4)}
             with open(self.path / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+    @staticmethod
+    def resources() -> dict:
+        """Peak memory of this process: resident set size, and the CUDA allocator's peak when on a GPU."""
+        import resource
+        peak = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            peak["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        return peak
 
     def write_json(self, name: str, data: dict) -> None:
         if self.write:

@@ -26,7 +26,7 @@ def finish(run, config, generated: torch.Tensor, started: float, steps: int) -> 
         train_set = load_images(config.dataset, config.data_root, config.image_size)
         test_set = load_images(config.dataset, config.data_root, config.image_size, train=False)
         metrics = score(generated.float().cpu(), train_set, test_set, config.dataset, config.image_size)
-    summary = {**metrics, "steps": steps, "train_seconds": round(time.time() - started, 1),
+    summary = {**metrics, "steps": steps, "train_seconds": round(time.time() - started, 1), **run.resources(),
                "config": dataclasses.asdict(config)}
     run.write_json("summary.json", summary)
     run.plot_losses(["loss_d", "loss_g"])

@@ -65,7 +65,7 @@ def _plot_curves(run, results) -> None:
 def finish(run, config, results: dict, started: float, steps: int) -> dict:
     if not run.write:
         return {}
-    summary = {"steps": steps, "train_seconds": round(time.time() - started, 1)}
+    summary = {"steps": steps, "train_seconds": round(time.time() - started, 1), **run.resources()}
     if config.dataset == "sinusoid":
         summary.update(test_mse_steps=results["mse"], test_mse_ci95_steps=results["ci95"],
                        test_mse_median_steps=results["median"])

@@ -1,0 +1,1 @@
+"""Benchmarks: wrapped vs plain parity, wrapper overhead, MAML speed, quality, scaling."""

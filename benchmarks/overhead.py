@@ -1,0 +1,79 @@
+"""The wrapper's host overhead per training step on a tiny, host-bound model (2-layer MLP, batch 8, SGD).
+
+Plain and wrapped loops run in one process in alternating blocks after a warm-up, so drift in the
+machine's speed hits both; each block's time per step is one sample. Lightning Fabric is measured the
+same way when `lightning` is installed. Also: how long `import core` takes against `import torch`.
+"""
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.record import ROOT, spread
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def _loop(model, optimizer, backward, x, y, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+    return (time.perf_counter() - start) / steps
+
+
+def measure(blocks: int = 30, steps: int = 200) -> dict:
+    torch.set_num_threads(1)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    variants = {}
+    model = _model()
+    variants["plain"] = (model, torch.optim.SGD(model.parameters(), lr=0.01), lambda loss: loss.backward())
+
+    from core import Fabric
+    fabric = Fabric(accelerator="cpu")
+    model = _model()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    variants["core"] = (model, optimizer, fabric.backward)
+    try:
+        from lightning.fabric import Fabric as LightningFabric
+        lightning = LightningFabric(accelerator="cpu", devices=1)
+        model = _model()
+        model, optimizer = lightning.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+        variants["lightning"] = (model, optimizer, lightning.backward)
+    except ImportError:
+        pass
+
+    samples = {name: [] for name in variants}
+    for name, (model, optimizer, backward) in variants.items():  # warm-up
+        _loop(model, optimizer, backward, x, y, steps)
+    for _ in range(blocks):
+        for name, (model, optimizer, backward) in variants.items():
+            samples[name].append(_loop(model, optimizer, backward, x, y, steps) * 1e6)
+    plain = statistics.median(samples["plain"])
+    rows = []
+    for name, values in samples.items():
+        ratios = [v / p for v, p in zip(values, samples["plain"])]  # block by block: same moment, same machine
+        rows.append({"variant": name, "us_per_step": spread(values), "ratio": spread(ratios),
+                     "overhead_us": statistics.median(values) - plain})
+    return {"rows": rows, "import": import_times()}
+
+
+def import_times(repeats: int = 7) -> dict:
+    def seconds(code):
+        values = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+            values.append(time.perf_counter() - start)
+        return spread(values)
+
+    torch_time, core_time = seconds("import torch"), seconds("import core")
+    return {"torch_s": torch_time, "core_s": core_time, "ratio": core_time["median"] / torch_time["median"]}

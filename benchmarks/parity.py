@@ -1,0 +1,103 @@
+"""Wrapped vs plain parity per workload, strategy and precision: final weights, step time, peak memory.
+
+Each comparison runs the real scripts as paired runs (plain, wrapped, plain, wrapped, ...) with the same
+seed and config. Step time is read from `metrics.jsonl` (every record is stamped): the time per step of
+each logging window after the first (warm-up) one, median over windows, so start-up, data loading,
+evaluation and the final score are not timed. Peak memory is the `peak_rss_mb` (CPU) or `peak_cuda_mb`
+(GPU) of rank 0 in `summary.json`. The plain reference of `fsdp` and `deepspeed` rows is plain DDP under
+torchrun: the same math, so weights agree to float tolerance and the time ratio is the strategy's cost.
+"""
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.record import ROOT, spread
+
+WORKLOADS = {  # tiny but real settings; --quick runs fewer steps
+    "gan": ["--dataset", "fake", "--batch-size", "64", "--sample-every", "1000000", "--eval-samples", "64"],
+    "autoencoder": ["--dataset", "fake", "--batch-size", "64"],
+    "metalearn": ["--eval-tasks", "100"],
+}
+STEPS = {"gan": (150, 10), "autoencoder": (300, 20), "metalearn": (1000, 100)}  # (steps, log every), quick
+
+
+def _command(workload: str, variant: str, strategy: str, precision: str, steps: int, log_every: int, out: Path):
+    args = [*WORKLOADS[workload], "--max-steps", str(steps), "--log-every", str(log_every), "--out", str(out)]
+    if variant == "plain":
+        if strategy == "single":
+            return [sys.executable, "-m", f"{workload}.train_torch", *args]
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+                f"{workload}.train_torch", *args]
+    devices = "1" if strategy == "single" else "2"
+    return [sys.executable, "-m", f"{workload}.train", *args, "--strategy", strategy, "--devices", devices,
+            "--precision", precision]
+
+
+def _run(command, out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    per_step = [(b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(records[1:], records[2:])]
+    summary = json.loads((out / "summary.json").read_text())
+    return {"step_ms": [1000 * t for t in per_step], "memory_mb": summary.get("peak_cuda_mb", summary["peak_rss_mb"])}
+
+
+def _weights(out: Path, variant: str) -> dict:
+    path = out / "checkpoints" / "last.ckpt"
+    if variant == "plain":
+        state = torch.load(path, weights_only=True)
+    elif path.is_dir():  # a DeepSpeed checkpoint: stage 1-2 keep whole module weights in model_states
+        from core.deepspeed import _check_files_are_safe
+        _check_files_are_safe(path)
+        state = {}
+        for engine in (p for p in path.iterdir() if p.is_dir()):
+            states = torch.load(engine / "mp_rank_00_model_states.pt", weights_only=False)  # checked above
+            state[engine.name] = states["module"]
+    else:
+        from core.checkpoint import load_checkpoint
+        state = load_checkpoint(path)
+    return {f"{key}.{name}": value.float() for key, sub in state.items() if isinstance(sub, dict)
+            for name, value in sub.items() if isinstance(value, torch.Tensor) and value.is_floating_point()}
+
+
+def compare(workload: str, strategy: str, precision: str = "32-true", repeats: int = 2, scale: int = 1) -> dict:
+    steps, log_every = STEPS[workload]
+    steps *= scale
+    plain_strategy = "single" if strategy == "single" else "ddp"
+    times = {"plain": [], "wrapped": []}
+    memory = {"plain": [], "wrapped": []}
+    ratios, final = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(repeats):
+            medians = {}
+            for variant in ("plain", "wrapped"):
+                out = Path(tmp) / f"{variant}{repeat}"
+                command = _command(workload, variant, plain_strategy if variant == "plain" else strategy, precision,
+                                   steps, log_every, out)
+                result = _run(command, out)
+                times[variant] += result["step_ms"]
+                memory[variant].append(result["memory_mb"])
+                medians[variant] = statistics.median(result["step_ms"])
+                if repeat == repeats - 1:
+                    final[variant] = _weights(out, variant)
+                else:
+                    shutil.rmtree(out, ignore_errors=True)
+            ratios.append(medians["wrapped"] / medians["plain"])
+    a, b = final["plain"], final["wrapped"]
+    common = [key for key in a if key in b and a[key].shape == b[key].shape]
+    difference = max((a[k] - b[k]).abs().max().item() for k in common) if common else float("nan")
+    bitwise = bool(common) and len(common) == len(a) and all(torch.equal(a[k], b[k]) for k in common)
+    return {"workload": workload, "strategy": strategy, "precision": precision, "steps": steps,
+            "plain_ms": spread(times["plain"]), "wrapped_ms": spread(times["wrapped"]), "ratio": spread(ratios),
+            "plain_memory_mb": statistics.median(memory["plain"]),
+            "wrapped_memory_mb": statistics.median(memory["wrapped"]),
+            "weights_bitwise_equal": bitwise, "weights_max_abs_diff": difference, "compared_tensors": len(common)}

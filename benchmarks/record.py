@@ -1,0 +1,78 @@
+"""Result files: every result records the commit, the config, the library versions and the machine."""
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def environment() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                    capture_output=True, text=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = "unknown", False
+    try:
+        import deepspeed
+        deepspeed_version = deepspeed.__version__
+    except ImportError:
+        deepspeed_version = None
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    return {"commit": commit + ("-dirty" if dirty else ""), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "python": sys.version.split()[0], "torch": torch.__version__, "deepspeed": deepspeed_version,
+            "cpu": cpu, "cores": os.cpu_count(), "threads_per_process": int(os.environ.get("OMP_NUM_THREADS", "1")),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def write(name: str, config: dict, rows: list[dict], markdown: str) -> Path:
+    """Write results/<name>.json and results/<name>.md; return the markdown path."""
+    RESULTS.mkdir(exist_ok=True)
+    env = environment()
+    (RESULTS / f"{name}.json").write_text(json.dumps({"environment": env, "config": config, "rows": rows},
+                                                     indent=2) + "\n")
+    header = (f"_commit {env['commit']}, {env['date']}, torch {env['torch']}, deepspeed {env['deepspeed']}, "
+              f"{env['cpu']} ({env['cores']} cores), {env['threads_per_process']} thread(s) per process"
+              f"{', ' + env['gpu'] if env['gpu'] else ''}; config: `{json.dumps(config)}`_\n\n")
+    path = RESULTS / f"{name}.md"
+    path.write_text(header + markdown)
+    return path
+
+
+def table(columns: list[str], rows: list[list]) -> str:
+    def cell(value):
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def bar_chart(path: Path, labels: list[str], values: list[float], target: float | None, xlabel: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(labels) + 1.2))
+    ax.barh(labels, values, color=["tab:red" if target and v > target else "tab:blue" for v in values])
+    if target:
+        ax.axvline(target, color="k", linestyle="--", label=f"target {target}")
+        ax.legend()
+    ax.set_xlabel(xlabel)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

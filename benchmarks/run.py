@@ -1,0 +1,175 @@
+"""Reproduce the suite's numbers: parity, overhead, MAML speed, scaling and (full mode) quality.
+
+    python -m benchmarks.run --quick        # a few minutes on a 2-core CPU
+    python -m benchmarks.run                # full: more steps and repeats, every precision, the quality runs
+    python -m benchmarks.run --only overhead,maml
+
+Writes benchmarks/results/<name>.md, .json and .png, and the latest tables into README.md. A figure
+that misses its target says so in the table; no row is left out.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks import maml_speed, overhead, parity
+from benchmarks.record import RESULTS, ROOT, bar_chart, table, write
+
+PARTS = ("overhead", "maml", "parity", "quality")
+TARGETS = {"single": 1.03, "ddp": 1.05}
+
+
+def _mark(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
+def run_overhead(quick: bool) -> str:
+    result = overhead.measure(blocks=15 if quick else 40)
+    rows = [[r["variant"], r["us_per_step"]["median"], f"{r['ratio']['median']:.3f} "
+             f"[{r['ratio']['min']:.3f}-{r['ratio']['max']:.3f}]", r["overhead_us"],
+             _mark(r["ratio"]["median"] <= 1.03) if r["variant"] == "core" else ""] for r in result["rows"]]
+    imports = result["import"]
+    markdown = ("Host overhead per step, 2-layer MLP, batch 8, SGD, 1 thread (median over alternating blocks "
+                "[min-max of block ratios]):\n\n" +
+                table(["variant", "us/step", "ratio to plain", "overhead us", "<= 1.03"], rows) +
+                f"\n`import core` {imports['core_s']['median']:.2f} s vs `import torch` "
+                f"{imports['torch_s']['median']:.2f} s: ratio {imports['ratio']:.3f} (target <= 1.10: "
+                f"{_mark(imports['ratio'] <= 1.10)})\n")
+    write("overhead", {"blocks": 15 if quick else 40, "steps_per_block": 200}, result["rows"] + [imports], markdown)
+    return markdown
+
+
+def run_maml(quick: bool) -> str:
+    result = maml_speed.measure(iterations=100 if quick else 300, repeats=3 if quick else 5)
+    rows = [[r["method"], r["iterations_per_s"]["median"],
+             f"{r['iterations_per_s']['min']:.1f}-{r['iterations_per_s']['max']:.1f}", r["speedup_of_vmap"],
+             _mark(r["meta_gradient_matches"])] for r in result["rows"]]
+    markdown = ("MAML meta-iterations per second, sinusoid paper setup, 1 thread:\n\n" +
+                table(["method", "it/s (median)", "min-max", "vmap speed-up", "meta-gradient == vmap"], rows) +
+                "\nTargets: vmap >= 10x the `higher` loop, >= 5x the autograd loop.\n")
+    write("maml_speed", {"iterations": 100 if quick else 300}, result["rows"], markdown)
+    return markdown
+
+
+def run_parity(quick: bool) -> str:
+    cases = [(w, s, "32-true") for w in parity.WORKLOADS for s in ("single", "ddp")]
+    cases += [("gan", "fsdp", "32-true"), ("gan", "deepspeed_stage_2", "32-true")]
+    if not quick:
+        cases += [(w, s, "32-true") for w in ("autoencoder", "metalearn") for s in ("fsdp",)]
+        cases += [("autoencoder", "deepspeed_stage_2", "32-true")]
+        cases += [(w, "single", "bf16-mixed") for w in parity.WORKLOADS]
+    rows = []
+    for workload, strategy, precision in cases:
+        print(f"parity: {workload} {strategy} {precision}", file=sys.stderr, flush=True)
+        rows.append(parity.compare(workload, strategy, precision, repeats=2 if quick else 3, scale=1 if quick else 3))
+    lines = []
+    for r in rows:
+        target = TARGETS.get(r["strategy"])
+        time_ok = _mark(r["ratio"]["median"] <= target) if target and r["precision"] == "32-true" else "n/a"
+        memory_ok = _mark(r["wrapped_memory_mb"] <= 1.05 * r["plain_memory_mb"])
+        weights = "bitwise" if r["weights_bitwise_equal"] else f"max diff {r['weights_max_abs_diff']:.2g}"
+        lines.append([r["workload"], r["strategy"], r["precision"], r["plain_ms"]["median"],
+                      r["wrapped_ms"]["median"],
+                      f"{r['ratio']['median']:.3f} [{r['ratio']['min']:.3f}-{r['ratio']['max']:.3f}]", time_ok,
+                      r["plain_memory_mb"], r["wrapped_memory_mb"], memory_ok, weights])
+    markdown = ("Wrapped vs plain, paired runs of the real scripts (plain reference of fsdp/deepspeed rows: "
+                "plain DDP under torchrun; bf16-mixed rows against plain float32, so weights differ by "
+                "design). Time per step in ms, median over logging windows; ratio: median [min-max] over "
+                "repeats. Memory: peak RSS of rank 0 in MB. Targets: ratio <= 1.03 single, <= 1.05 ddp; "
+                "memory <= plain + 5%.\n\n" +
+                table(["workload", "strategy", "precision", "plain ms", "wrapped ms", "ratio", "time ok",
+                       "plain MB", "wrapped MB", "memory ok", "weights"], lines) +
+                "\nScaling on this 2-core CPU (a cost and correctness figure, not a speed-up: 2 processes of "
+                "1 thread each share 2 cores): " + _scaling(rows) + "\n")
+    write("parity", {"quick": quick, "cases": cases}, rows, markdown)
+    bar_chart(RESULTS / "parity.png", [f"{r['workload']} {r['strategy']} {r['precision']}" for r in rows],
+              [r["ratio"]["median"] for r in rows], 1.03, "wrapped / plain step time")
+    return markdown
+
+
+def _scaling(rows) -> str:
+    parts = []
+    for workload in parity.WORKLOADS:
+        single = next((r for r in rows if r["workload"] == workload and r["strategy"] == "single"
+                       and r["precision"] == "32-true"), None)
+        ddp = next((r for r in rows if r["workload"] == workload and r["strategy"] == "ddp"), None)
+        if single and ddp:  # DDP steps process twice the examples (one batch per rank)
+            parts.append(f"{workload} DDP x2 throughput = {2 * single['wrapped_ms']['median'] / ddp['wrapped_ms']['median']:.2f}x one process")
+    return "; ".join(parts)
+
+
+QUALITY = [  # command, summary key, target, reference
+    ("gan", ["-m", "gan.train"], "fid_classifier", "<= 4.5", "4.3 after 2.5 min (issue reference)"),
+    ("gan", None, "class_entropy", ">= 2.2", "of 2.303"),
+    ("autoencoder", ["-m", "autoencoder.train"], "test_psnr", ">= 22", "21.9 dB after 50 epochs"),
+    ("metalearn", ["-m", "metalearn.train"], "test_mse_steps", "<= 0.40", "0.39 at 20k iterations"),
+]
+
+
+def run_quality() -> str:
+    rows, summaries = [], {}
+    for workload, command, key, target, reference in QUALITY:
+        if command is not None:
+            out = RESULTS / "runs" / workload
+            subprocess.run([sys.executable, *command, "--out", str(out)], cwd=ROOT, check=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+            summaries[workload] = json.loads((out / "summary.json").read_text())
+        summary = summaries[workload]
+        value = summary[key]["1"] if key == "test_mse_steps" else summary[key]
+        op, bound = target.split()
+        ok = value <= float(bound) if op == "<=" else value >= float(bound)
+        rows.append([workload, key if key != "test_mse_steps" else "MSE after 1 step", value, target, _mark(ok),
+                     summary["train_seconds"], reference])
+    mse = summaries["metalearn"]["test_mse_steps"]
+    markdown = ("Quality of the default commands on this machine:\n\n" +
+                table(["workload", "metric", "value", "target", "met", "train s", "reference"], rows) +
+                "\nMAML MSE after 0/1/5/10 steps: " + ", ".join(f"{v:.3f}" for v in mse.values()) + "\n")
+    write("quality", {"commands": [q[1] for q in QUALITY if q[1]]}, rows, markdown)
+    return markdown
+
+
+def update_readme(sections: dict) -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    start, end = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
+    existing = re.search(re.escape(start) + "(.*)" + re.escape(end), text, re.S).group(1)
+    blocks = dict(re.findall(r"<!-- (\w+) -->\n(.*?)<!-- /\1 -->\n", existing, re.S))
+    for name, markdown in sections.items():
+        header = (RESULTS / f"{name}.md").read_text().split("\n\n", 1)[0] if (RESULTS / f"{name}.md").exists() else ""
+        blocks[name] = f"### {name}\n\n{header}\n\n{markdown}\n"
+    body = "".join(f"<!-- {name} -->\n{blocks[name]}<!-- /{name} -->\n" for name in
+                   sorted(blocks, key=lambda n: ["overhead", "maml_speed", "parity", "quality"].index(n)))
+    readme.write_text(text.replace(existing, "\n" + body))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats: a few minutes on 2 cores")
+    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {', '.join(PARTS)}")
+    parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README's tables")
+    args = parser.parse_args(argv)
+    parts = args.only.split(",")
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    sections = {}
+    if "overhead" in parts:
+        sections["overhead"] = run_overhead(args.quick)
+    if "maml" in parts:
+        sections["maml_speed"] = run_maml(args.quick)
+    if "parity" in parts:
+        sections["parity"] = run_parity(args.quick)
+    if "quality" in parts and not args.quick:
+        sections["quality"] = run_quality()
+    for markdown in sections.values():
+        print(markdown)
+    if not args.no_readme:
+        update_readme(sections)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The benchmark harness on tiny configs: it runs, writes well-formed results, and shows a failing figure
+as failing. No timing is asserted here."""
+import json
+
+import pytest
+
+from benchmarks import maml_speed, overhead, parity, record
+from benchmarks import run as bench
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    monkeypatch.setattr(record, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    return tmp_path
+
+
+def test_overhead_measures_every_variant(results):
+    result = overhead.measure(blocks=2, steps=5)
+    names = [row["variant"] for row in result["rows"]]
+    assert names[:2] == ["plain", "core"]
+    for row in result["rows"]:
+        assert row["us_per_step"]["median"] > 0 and row["ratio"]["n"] == 2
+    assert result["import"]["ratio"] > 0
+
+
+def test_maml_speed_checks_meta_gradients_first():
+    result = maml_speed.measure(iterations=4, repeats=1)
+    assert all(row["meta_gradient_matches"] for row in result["rows"])
+    assert {"vmap (torch.func)", "per-task autograd loop"} <= {row["method"] for row in result["rows"]}
+
+
+def test_parity_of_a_real_workload_on_one_process(monkeypatch):
+    monkeypatch.setitem(parity.STEPS, "metalearn", (30, 5))
+    row = parity.compare("metalearn", "single", repeats=1)
+    assert row["weights_bitwise_equal"] and row["compared_tensors"] == 6
+    assert row["plain_ms"]["n"] == 4 and row["plain_memory_mb"] > 0
+
+
+def test_a_failing_parity_row_is_shown_failing_and_results_are_well_formed(results, monkeypatch):
+    fake = {"plain_ms": record.spread([1.0]), "wrapped_ms": record.spread([1.5]), "ratio": record.spread([1.5]),
+            "plain_memory_mb": 100.0, "wrapped_memory_mb": 120.0, "weights_bitwise_equal": False,
+            "weights_max_abs_diff": 0.5, "compared_tensors": 3, "steps": 10}
+    monkeypatch.setattr(parity, "compare", lambda w, s, p="32-true", **k: {**fake, "workload": w, "strategy": s,
+                                                                           "precision": p})
+    markdown = bench.run_parity(quick=True)
+    row = next(line for line in markdown.splitlines() if line.startswith("| gan | single"))
+    assert row.count("**no**") == 2 and "max diff 0.5" in row  # time and memory both miss their targets
+    saved = json.loads((results / "parity.json").read_text())
+    assert saved["environment"]["commit"] and saved["environment"]["torch"]
+    assert len(saved["rows"]) == 8 and (results / "parity.png").is_file()
+    assert (results / "parity.md").read_text().startswith("_commit ")
+
+
+def test_readme_tables_are_replaced_in_place(results, tmp_path, monkeypatch):
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- benchmarks:start -->\nold\n<!-- benchmarks:end -->\noutro\n")
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    record.write("overhead", {}, [], "table one\n")
+    bench.update_readme({"overhead": "table one\n"})
+    bench.update_readme({"overhead": "table two\n"})
+    text = readme.read_text()
+    assert "table two" in text and "table one" not in text and "old" not in text
+    assert text.startswith("intro") and text.endswith("outro\n")
+
+
+def test_unknown_part_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["--only", "speed"])
+    assert exit.value.code == 2 and "unknown part" in capsys.readouterr().err
