@@ -1,9 +1,13 @@
 """The wrapper's host overhead per training step on a tiny, host-bound model (2-layer MLP, batch 8, SGD).
 
-Plain and wrapped loops run in one process in alternating blocks after a warm-up, so drift in the
-machine's speed hits both; each block's time per step is one sample. Lightning Fabric is measured the
-same way when `lightning` is installed. Also: how long `import core` takes against `import torch`.
+All variants drive the same model and optimizer objects (a wrapper on one CPU neither copies nor moves
+them), so memory layout cannot favour one; only the code between the loop and torch differs. They run in
+one process in blocks, in a new random order each round after a warm-up, so drift in the machine's
+speed hits all; each block's time per step is one sample, and ratios are taken round by round.
+Lightning Fabric is measured the same way when `lightning` is installed. Also: how long `import core`
+takes against `import torch`.
 """
+import random
 import statistics
 import subprocess
 import sys
@@ -33,30 +37,29 @@ def _loop(model, optimizer, backward, x, y, steps: int) -> float:
 def measure(blocks: int = 30, steps: int = 200) -> dict:
     torch.set_num_threads(1)
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
-    variants = {}
     model = _model()
-    variants["plain"] = (model, torch.optim.SGD(model.parameters(), lr=0.01), lambda loss: loss.backward())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    variants = {"plain": (model, optimizer, lambda loss: loss.backward())}
 
     from core import Fabric
     fabric = Fabric(accelerator="cpu")
-    model = _model()
-    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    variants["core"] = (model, optimizer, fabric.backward)
+    variants["core"] = (*fabric.setup(model, optimizer), fabric.backward)
     try:
         from lightning.fabric import Fabric as LightningFabric
         lightning = LightningFabric(accelerator="cpu", devices=1)
-        model = _model()
-        model, optimizer = lightning.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
-        variants["lightning"] = (model, optimizer, lightning.backward)
+        variants["lightning"] = (*lightning.setup(model, optimizer), lightning.backward)
     except ImportError:
         pass
 
     samples = {name: [] for name in variants}
     for name, (model, optimizer, backward) in variants.items():  # warm-up
         _loop(model, optimizer, backward, x, y, steps)
+    order = list(variants)
+    shuffle = random.Random(0).shuffle
     for _ in range(blocks):
-        for name, (model, optimizer, backward) in variants.items():
-            samples[name].append(_loop(model, optimizer, backward, x, y, steps) * 1e6)
+        shuffle(order)
+        for name in order:
+            samples[name].append(_loop(*variants[name], x, y, steps) * 1e6)
     plain = statistics.median(samples["plain"])
     rows = []
     for name, values in samples.items():

@@ -82,6 +82,8 @@ class Fabric:
         self._module_of = {}  # id(wrapped optimizer) -> its FabricModule, for checkpoints and loss scaling
         self._optimizers_of = {}  # id(FabricModule) -> its wrapped optimizers
         self._modules = []  # FabricModules, in setup order
+        # backward is loss.backward() when neither a loss scaler nor an engine is involved
+        self._plain_backward = not self._strategy.backward_needs_module and not self._precision.use_scalers
 
     def __getstate__(self):  # ddp_spawn sends the Fabric to new processes; weak sets do not pickle
         state = self.__dict__.copy()
@@ -256,6 +258,8 @@ class Fabric:
         """`tensor.backward(*args, **kwargs)` through the strategy and precision (create_graph,
         retain_graph pass through). `model` says which set-up model this loss is for, where the
         strategy needs to know (DeepSpeed engines, 16-mixed scalers) and the graph alone does not say."""
+        if self._plain_backward:
+            return tensor.backward(*args, **kwargs)
         needs_owner = self._strategy.backward_needs_module or len(self._precision.scalers) > 1
         if not needs_owner:
             if self._precision.scalers:

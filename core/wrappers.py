@@ -113,11 +113,8 @@ class FabricOptimizer:
     def optimizer(self) -> torch.optim.Optimizer:
         return self._optimizer
 
-    def step(self, closure=None):
-        return self._step(closure) if closure is not None else self._step()
-
-    def zero_grad(self, set_to_none: bool = True):
-        self._optimizer.zero_grad(set_to_none=set_to_none)
+    def step(self, closure=None):  # shadowed per instance by wrap_optimizer; here for the class's interface
+        return self.__dict__["step"](closure) if closure is not None else self.__dict__["step"]()
 
     def state_dict(self):
         return self._optimizer.state_dict()
@@ -138,7 +135,9 @@ _optimizer_classes: dict[type, type] = {}
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, step) -> FabricOptimizer:
-    """Return a FabricOptimizer whose `step(closure)` calls `step`; `optimizer` itself is untouched."""
+    """Return a FabricOptimizer whose `step(closure)` calls `step`; `optimizer` itself is untouched.
+    `step` is stored on the instance, so `wrapped.step()` is one call of it (the original's own bound
+    `step` on the fast path); zero_grad and the rest are the original class's, on the shared state."""
     cls = type(optimizer)
     wrapped_cls = _optimizer_classes.get(cls)
     if wrapped_cls is None:
@@ -146,7 +145,7 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, step) -> FabricOptimizer:
     wrapped = wrapped_cls.__new__(wrapped_cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped.__dict__["_optimizer"] = optimizer
-    wrapped.__dict__["_step"] = step
+    wrapped.__dict__["step"] = step
     return wrapped
 
 
