@@ -25,7 +25,7 @@ WORKLOADS = {  # tiny but real settings; --quick runs fewer steps
     "autoencoder": ["--dataset", "fake", "--batch-size", "64"],
     "metalearn": ["--eval-tasks", "100"],
 }
-STEPS = {"gan": (150, 10), "autoencoder": (300, 20), "metalearn": (1000, 100)}  # (steps, log every), quick
+STEPS = {"gan": (80, 10), "autoencoder": (160, 20), "metalearn": (600, 100)}  # (steps, log every), quick
 
 
 def _command(workload: str, variant: str, strategy: str, precision: str, steps: int, log_every: int, out: Path):

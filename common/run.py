@@ -47,9 +47,16 @@ class RunDir:
 
     @staticmethod
     def resources() -> dict:
-        """Peak memory of this process: resident set size, and the CUDA allocator's peak when on a GPU."""
-        import resource
-        peak = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+        """Peak memory of this process: resident set size, and the CUDA allocator's peak when on a GPU.
+        On Linux the peak is VmHWM: getrusage's ru_maxrss keeps the peak of the process that forked
+        this one across exec, so a script started by a large process would report that one's size."""
+        status = Path("/proc/self/status")
+        if status.exists():
+            line = next(line for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
+            peak = {"peak_rss_mb": round(int(line.split()[1]) / 1024, 1)}
+        else:
+            import resource
+            peak = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             peak["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
         return peak

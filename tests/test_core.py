@@ -122,7 +122,8 @@ def test_return_conventions_and_types():
     assert out[1].param_groups[0]["lr"] == pytest.approx(0.01)
 
 
-def test_optimizer_state_dict_round_trips():
+def trained_adam_run():
+    """A set-up MLP and Adam after four steps."""
     fabric = Fabric(accelerator="cpu")
     model = mlp()
     model, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
@@ -130,6 +131,11 @@ def test_optimizer_state_dict_round_trips():
         opt.zero_grad()
         fabric.backward(F.mse_loss(model(x), y))
         opt.step()
+    return fabric, model, opt
+
+
+def test_optimizer_state_dict_round_trips():
+    fabric, model, opt = trained_adam_run()
     state = opt.state_dict()
     fresh = mlp()
     fresh, fresh_opt = fabric.setup(fresh, torch.optim.Adam(fresh.parameters(), lr=0.5))
@@ -296,14 +302,7 @@ class TestPrecision:
 
 class TestCheckpoints:
     def setup_run(self):
-        fabric = Fabric(accelerator="cpu")
-        model = mlp()
-        model, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
-        for x, y in data():
-            opt.zero_grad()
-            fabric.backward(F.mse_loss(model(x), y))
-            opt.step()
-        return fabric, model, opt
+        return trained_adam_run()
 
     def test_round_trip_and_unconsumed_keys(self, tmp_path):
         fabric, model, opt = self.setup_run()
@@ -405,3 +404,26 @@ def test_import_core_does_not_import_heavy_optional_packages():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(__file__))).stdout
     assert out.strip() == "[]"
+
+
+def test_slurm_and_torchrun_environments_are_detected(monkeypatch):
+    from core.launcher import cluster_environment
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    assert cluster_environment() is None
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    env = cluster_environment()
+    assert env == {"global_rank": 3, "local_rank": 1, "world_size": 4, "node_rank": 1, "local_world_size": 2}
+    assert os.environ["MASTER_ADDR"] == "gpu07"
+    monkeypatch.setenv("RANK", "1")  # torchrun's variables win
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert cluster_environment()["world_size"] == 2

@@ -164,3 +164,108 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; only its parent has not reaped it
         return f.read().split()[2] != "Z"
+
+
+def _sync_controls(fabric):
+    """no_backward_sync over two modules, then a synced step; clip_gradients under the strategy."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 4), nn.Linear(4, 1)
+    first, opt_first = fabric.setup(first, torch.optim.SGD(first.parameters(), lr=0.1))
+    second, opt_second = fabric.setup(second, torch.optim.SGD(second.parameters(), lr=0.1))
+    x = torch.full((2, 4), float(fabric.global_rank + 1))
+
+    def local_grad():
+        grad = first.module.weight.grad
+        return grad.to_local() if hasattr(grad, "to_local") else grad
+
+    with fabric.no_backward_sync(first, second):
+        fabric.backward(second(first(x)).sum())
+    unsynced = fabric.all_gather(local_grad().clone())
+    opt_first.zero_grad()
+    opt_second.zero_grad()
+    fabric.backward(second(first(x)).sum())
+    synced = fabric.all_gather(local_grad().clone())
+    norm = fabric.clip_gradients(first, opt_first, max_norm=1e-3)
+    return {"unsynced_differ": not torch.equal(unsynced[0], unsynced[1]),
+            "synced_equal": fabric.world_size == 2 and (fabric.strategy.__class__.__name__ == "FSDP"
+                                                        or torch.equal(synced[0], synced[1])),
+            "norm": float(norm)}
+
+
+@pytest.mark.parametrize("strategy", ["ddp_spawn"])
+def test_no_backward_sync_of_several_modules_and_clipping(strategy):
+    result = Fabric(accelerator="cpu", strategy=strategy, devices=2).launch(_sync_controls)
+    assert result["unsynced_differ"] and result["synced_equal"] and result["norm"] > 1e-3
+
+
+def _fsdp_checks(fabric):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)  # built before sharding
+    wrapped = fabric.setup_module(model)
+    try:
+        fabric.setup_optimizers(stale)
+        error = "no error"
+    except ValueError as exc:
+        error = str(exc)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(wrapped.parameters(), lr=0.1))
+    fabric.backward(wrapped(torch.randn(3, 4)).sum())
+    norm = fabric.clip_gradients(wrapped, optimizer, max_norm=1e-3)
+    optimizer.step()
+    with fabric.no_backward_sync(wrapped):
+        fabric.backward(wrapped(torch.randn(3, 4)).sum())
+    return {"error": error, "norm": float(norm)}
+
+
+def test_fsdp_refuses_an_optimizer_of_unsharded_parameters_and_clips(tmp_path):
+    """FSDP under spawn: the launcher's processes with the fsdp strategy, via a script."""
+    script = tmp_path / "fsdp_checks.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, sys
+        from core import Fabric
+        from tests.test_distributed import _fsdp_checks
+        fabric = Fabric(accelerator="cpu", strategy="fsdp", devices=2)
+        fabric.launch()
+        result = _fsdp_checks(fabric)
+        if fabric.is_global_zero:
+            open(sys.argv[1], "w").write(json.dumps(result))
+    """))
+    run([str(script), str(tmp_path / "out.json")])
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert "created from parameters that are not the sharded ones" in result["error"]
+    assert "setup(model, optimizer)" in result["error"] and result["norm"] > 0
+
+
+def test_fsdp_checkpoint_resumes_on_one_process(tmp_path):
+    """FSDP checkpoints hold full state dicts: a 2-process run resumes on 1 process, another strategy."""
+    common = ["-m", "autoencoder.train", "--dataset", "fake", "--width", "4", "--batch-size", "8"]
+    run([*common, "--strategy", "fsdp", "--devices", "2", "--max-steps", "3", "--out", str(tmp_path)])
+    run([*common, "--max-steps", "5", "--resume", str(tmp_path)])
+    from core.checkpoint import load_checkpoint
+    assert load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["step"] == 5
+
+
+def test_deepspeed_takes_a_config_file_and_bf16(tmp_path):
+    pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}))
+    script = tmp_path / "ds.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, sys, torch
+        from torch import nn
+        from core import Fabric
+        fabric = Fabric(accelerator="cpu", strategy="deepspeed", devices=2, precision="bf16-mixed",
+                        config=sys.argv[1])
+        fabric.launch()
+        model = nn.Linear(4, 1)
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        out = model(torch.randn(3, 4))
+        fabric.backward(out.sum())
+        optimizer.step()
+        engine = model._forward_module
+        if fabric.is_global_zero:
+            open(sys.argv[2], "w").write(json.dumps({{"dtype": str(out.dtype), "bf16": engine.bfloat16_enabled(),
+                                                      "clipping": engine.gradient_clipping()}}))
+    """))
+    run([str(script), str(config), str(tmp_path / "out.json")], timeout=300)
+    assert json.loads((tmp_path / "out.json").read_text()) == {"dtype": "torch.float32", "bf16": True,
+                                                               "clipping": 1.0}
