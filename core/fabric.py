@@ -222,9 +222,10 @@ class Fabric:
             if params & {id(p) for p in wrapped.parameters()}:
                 return wrapped
         raise ValueError(
-            f"{type(optimizer).__name__} updates no parameter of any module returned by setup_module. Create "
-            f"the optimizer after setup_module, from the returned module's parameters: "
-            f"`model = fabric.setup_module(model); optimizer = Adam(model.parameters())`.")
+            f"{type(optimizer).__name__} updates no parameter of any module returned by setup_module (under fsdp, "
+            f"an optimizer built before setup_module holds the unsharded parameters). Create the optimizer after "
+            f"setup_module, from the returned module's parameters: `model = fabric.setup_module(model); optimizer "
+            f"= Adam(model.parameters())`, or set both up together: `fabric.setup(model, optimizer)`.")
 
     def _prepare(self, module: nn.Module, move_to_device: bool) -> nn.Module:
         self._set_up_modules.add(module)

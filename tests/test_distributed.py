@@ -231,8 +231,8 @@ def test_fsdp_refuses_an_optimizer_of_unsharded_parameters_and_clips(tmp_path):
     """))
     run([str(script), str(tmp_path / "out.json")])
     result = json.loads((tmp_path / "out.json").read_text())
-    assert "created from parameters that are not the sharded ones" in result["error"]
-    assert "setup(model, optimizer)" in result["error"] and result["norm"] > 0
+    assert "an optimizer built before setup_module holds the unsharded parameters" in result["error"]
+    assert "fabric.setup(model, optimizer)" in result["error"] and result["norm"] > 0
 
 
 def test_fsdp_checkpoint_resumes_on_one_process(tmp_path):
