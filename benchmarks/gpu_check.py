@@ -39,7 +39,7 @@ def main():
                         error = (result.stderr.strip().splitlines() or ["?"])[-1][:120]
                         rows.append([workload, strategy, precision, "failed", "", error])
                     else:
-                        records = [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+                        records = [json.loads(r) for r in (Path(out) / "metrics.jsonl").read_text().splitlines()]
                         step_ms = 1000 * (records[-1]["time"] - records[1]["time"]) / (
                             records[-1]["step"] - records[1]["step"])
                         summary = json.loads((Path(out) / "summary.json").read_text())

@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from benchmarks import maml_speed, overhead, parity
 from benchmarks.record import RESULTS, ROOT, bar_chart, table, write
@@ -64,7 +63,7 @@ def run_parity(quick: bool) -> str:
     rows = []
     for workload, strategy, precision in cases:
         print(f"parity: {workload} {strategy} {precision}", file=sys.stderr, flush=True)
-        rows.append(parity.compare(workload, strategy, precision, repeats=2 if quick else 3, scale=1 if quick else 3))
+        rows.append(parity.compare(workload, strategy, precision, repeats=2 if quick else 3, scale=1 if quick else 2))
     lines = []
     for r in rows:
         target = TARGETS.get(r["strategy"])
@@ -97,7 +96,8 @@ def _scaling(rows) -> str:
                        and r["precision"] == "32-true"), None)
         ddp = next((r for r in rows if r["workload"] == workload and r["strategy"] == "ddp"), None)
         if single and ddp:  # DDP steps process twice the examples (one batch per rank)
-            parts.append(f"{workload} DDP x2 throughput = {2 * single['wrapped_ms']['median'] / ddp['wrapped_ms']['median']:.2f}x one process")
+            speed = 2 * single["wrapped_ms"]["median"] / ddp["wrapped_ms"]["median"]
+            parts.append(f"{workload}: 2 processes give {speed:.2f}x the examples/s of one")
     return "; ".join(parts)
 
 
@@ -132,17 +132,19 @@ def run_quality() -> str:
 
 
 def update_readme(sections: dict) -> None:
+    """Replace the tables between the README's benchmark markers, part by part."""
     readme = ROOT / "README.md"
     text = readme.read_text()
     start, end = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
-    existing = re.search(re.escape(start) + "(.*)" + re.escape(end), text, re.S).group(1)
-    blocks = dict(re.findall(r"<!-- (\w+) -->\n(.*?)<!-- /\1 -->\n", existing, re.S))
+    i, j = text.index(start) + len(start), text.index(end)
+    blocks = dict(re.findall(r"<!-- (\w+) -->\n(.*?)<!-- /\1 -->\n", text[i:j], re.S))
     for name, markdown in sections.items():
-        header = (RESULTS / f"{name}.md").read_text().split("\n\n", 1)[0] if (RESULTS / f"{name}.md").exists() else ""
+        saved = RESULTS / f"{name}.md"
+        header = saved.read_text().split("\n\n", 1)[0] if saved.exists() else ""
         blocks[name] = f"### {name}\n\n{header}\n\n{markdown}\n"
-    body = "".join(f"<!-- {name} -->\n{blocks[name]}<!-- /{name} -->\n" for name in
-                   sorted(blocks, key=lambda n: ["overhead", "maml_speed", "parity", "quality"].index(n)))
-    readme.write_text(text.replace(existing, "\n" + body))
+    order = ["overhead", "maml_speed", "parity", "quality"]
+    body = "".join(f"<!-- {name} -->\n{blocks[name]}<!-- /{name} -->\n" for name in sorted(blocks, key=order.index))
+    readme.write_text(text[:i] + "\n" + body + text[j:])
 
 
 def main(argv=None):

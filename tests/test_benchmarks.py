@@ -54,14 +54,17 @@ def test_a_failing_parity_row_is_shown_failing_and_results_are_well_formed(resul
 
 def test_readme_tables_are_replaced_in_place(results, tmp_path, monkeypatch):
     readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- benchmarks:start -->\nold\n<!-- benchmarks:end -->\noutro\n")
+    readme.write_text("intro\nline\n<!-- benchmarks:start -->\n<!-- benchmarks:end -->\noutro\n")
     monkeypatch.setattr(bench, "ROOT", tmp_path)
     record.write("overhead", {}, [], "table one\n")
     bench.update_readme({"overhead": "table one\n"})
     bench.update_readme({"overhead": "table two\n"})
+    bench.update_readme({"parity": "table three\n"})
     text = readme.read_text()
-    assert "table two" in text and "table one" not in text and "old" not in text
-    assert text.startswith("intro") and text.endswith("outro\n")
+    assert "table two" in text and "table one" not in text and "table three" in text
+    assert text.startswith("intro\nline\n<!-- benchmarks:start -->\n<!-- overhead -->\n### overhead")
+    assert text.endswith("<!-- /parity -->\n<!-- benchmarks:end -->\noutro\n")
+    assert text.index("table two") < text.index("table three")
 
 
 def test_unknown_part_is_a_usage_error(capsys):

@@ -219,7 +219,7 @@ def _fsdp_checks(fabric):
 def test_fsdp_refuses_an_optimizer_of_unsharded_parameters_and_clips(tmp_path):
     """FSDP under spawn: the launcher's processes with the fsdp strategy, via a script."""
     script = tmp_path / "fsdp_checks.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(textwrap.dedent("""
         import json, sys
         from core import Fabric
         from tests.test_distributed import _fsdp_checks
@@ -249,7 +249,7 @@ def test_deepspeed_takes_a_config_file_and_bf16(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}))
     script = tmp_path / "ds.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(textwrap.dedent("""
         import json, sys, torch
         from torch import nn
         from core import Fabric
@@ -263,8 +263,8 @@ def test_deepspeed_takes_a_config_file_and_bf16(tmp_path):
         optimizer.step()
         engine = model._forward_module
         if fabric.is_global_zero:
-            open(sys.argv[2], "w").write(json.dumps({{"dtype": str(out.dtype), "bf16": engine.bfloat16_enabled(),
-                                                      "clipping": engine.gradient_clipping()}}))
+            open(sys.argv[2], "w").write(json.dumps({"dtype": str(out.dtype), "bf16": engine.bfloat16_enabled(),
+                                                      "clipping": engine.gradient_clipping()}))
     """))
     run([str(script), str(config), str(tmp_path / "out.json")], timeout=300)
     assert json.loads((tmp_path / "out.json").read_text()) == {"dtype": "torch.float32", "bf16": True,

@@ -26,8 +26,8 @@ WORKLOADS = {
 
 def start(workload, out, *extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", f"{workload}.train", *WORKLOADS[workload], *extra, "--out", str(out)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-m", f"{workload}.train", *WORKLOADS[workload], *extra, "--out", str(out)]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for_checkpoint(out, process, timeout=120):
