@@ -118,6 +118,7 @@ def test_return_conventions_and_types():
     assert isinstance(out[1], torch.optim.SGD) and out[1].optimizer is opt
     assert list(out[0].state_dict()) == list(model.state_dict())  # no wrapper prefix
     assert out[0].module is model
+    out[1].step()
     sched.step()  # the scheduler changes the learning rate the wrapped optimizer uses
     assert out[1].param_groups[0]["lr"] == pytest.approx(0.01)
 
