@@ -52,7 +52,11 @@ class FSDP(DDP):
             raise ValueError("The module has parameters on the meta device; materialise them (to_empty + init) "
                              "before setup.")
         for sub in list(module.modules())[1:]:
-            if wrap_modules and isinstance(sub, wrap_modules):
+            if "mp_policy" in options and isinstance(sub, nn.modules.batchnorm._BatchNorm):
+                # BatchNorm keeps float32 running statistics; with bfloat16 weights it fails on CPU, so its
+                # parameters stay float32 in a shard group of their own (autocast handles its input)
+                fully_shard(sub, **{**options, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32)})
+            elif wrap_modules and isinstance(sub, wrap_modules):
                 fully_shard(sub, **options)
         fully_shard(module, **options)
         return module

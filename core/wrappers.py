@@ -19,14 +19,23 @@ class FabricModule(nn.Module):
         d = self.__dict__  # plain attributes, kept out of nn.Module's bookkeeping for speed
         d["_precision"] = precision
         d["_forward_methods"] = set()
-        d["_in_forward"] = False
         d["_frozen"] = False
         # In 32-true on one device there is nothing to add: call the module itself.
         d["_call"] = forward_module if (precision.is_default and forward_module is original_module
                                          and not guard) else self._wrapped_call
-        if guard:
-            for name, child in original_module.named_children():
-                child.register_forward_pre_hook(_SubmoduleGuard(self, name))
+        # Guards on the children while the wrapper is not running; lifted during its forward, where a
+        # hook on every child call would cost time (a lot of it inside torch.func transforms).
+        d["_guards"] = [(child, _SubmoduleGuard(self, name)) for name, child in original_module.named_children()
+                        ] if guard else []
+        d["_guard_handles"] = []
+        self._raise_guards()
+
+    def _raise_guards(self):
+        self.__dict__["_guard_handles"] = [child.register_forward_pre_hook(hook) for child, hook in self._guards]
+
+    def _lower_guards(self):
+        for handle in self._guard_handles:
+            handle.remove()
 
     def __call__(self, *args, **kwargs):
         return self._call(*args, **kwargs)
@@ -38,12 +47,15 @@ class FabricModule(nn.Module):
         precision = self._precision
         args, kwargs = precision.convert_input((args, kwargs))
         target = self._original_module if self._frozen else self._forward_module
-        self.__dict__["_in_forward"] = True
+        guarded = bool(self._guard_handles)
+        if guarded:
+            self._lower_guards()
         try:
             with precision.forward_context():
                 output = target(*args, **kwargs)
         finally:
-            self.__dict__["_in_forward"] = False
+            if guarded:
+                self._raise_guards()
         return precision.convert_output(output)
 
     @property
@@ -92,7 +104,7 @@ class _SubmoduleGuard:
         self.wrapper, self.name = wrapper, name
 
     def __call__(self, module, args):
-        if torch.is_grad_enabled() and not self.wrapper._in_forward:
+        if torch.is_grad_enabled():  # the wrapper lifts this hook while its own forward runs
             kind = type(self.wrapper._original_module).__name__
             raise RuntimeError(
                 f"Submodule {self.name!r} of the set-up {kind} was called outside its distributed wrapper "

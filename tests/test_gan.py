@@ -63,11 +63,13 @@ def test_default_run_writes_the_run_directory_and_a_score(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3"])
-def test_gan_trains_under_every_strategy_on_two_processes(tmp_path, strategy):
+@pytest.mark.parametrize("strategy, precision", [("ddp", "32-true"), ("fsdp", "32-true"), ("fsdp", "bf16-mixed"),
+                                                 ("deepspeed_stage_2", "32-true"), ("deepspeed_stage_3", "32-true")])
+def test_gan_trains_under_every_strategy_on_two_processes(tmp_path, strategy, precision):
     if strategy.startswith("deepspeed"):
         pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
-    run(["-m", "gan.train", "--strategy", strategy, "--devices", "2", "--dataset", "fake", "--max-steps", "4",
+    run(["-m", "gan.train", "--strategy", strategy, "--devices", "2", "--precision", precision,
+         "--dataset", "fake", "--max-steps", "4",
          "--batch-size", "8", "--ngf", "8", "--ndf", "8", "--nz", "16", "--log-every", "2", "--eval-samples", "8",
          "--out", str(tmp_path)], timeout=300)
     losses = [json.loads(line)["loss_g"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
