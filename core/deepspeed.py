@@ -32,6 +32,7 @@ class DeepSpeed(DDP):
     backward_needs_module = True
     guard_submodules = False  # ZeRO's hooks sit on parameters and modules, not on a wrapper's forward
     moves_module = False  # the engine places the module
+    options_key = None  # DeepSpeed takes its options in the config
 
     def __init__(self, device, precision, name: str = "deepspeed", config=None):
         super().__init__(device, precision)
@@ -50,9 +51,6 @@ class DeepSpeed(DDP):
         precision.autocast = False  # the engine converts the module to bf16/fp16
         if precision.precision != "32-true":
             precision.input_dtype = precision.dtype
-
-    def check_precision(self, precision: str) -> None:
-        pass  # all four map onto DeepSpeed's bf16 / fp16 / fp32 configs
 
     def config(self) -> dict:
         if self.user_config is not None:

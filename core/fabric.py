@@ -7,7 +7,6 @@
     loader = fabric.setup_dataloaders(loader)
     fabric.backward(loss)
 """
-import os
 import weakref
 from contextlib import ExitStack, contextmanager
 
@@ -74,8 +73,7 @@ class Fabric:
         device = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
         self._precision = Precision(precision, device)
         self._strategy = _make_strategy(strategy, device, self._precision, strategy_options)
-        if strategy.startswith("fsdp") or strategy.startswith("deepspeed"):
-            self._strategy.check_precision(precision)
+        self._strategy.check_precision(precision)
         self._launched = False
         self._set_up_modules = weakref.WeakSet()
         self._set_up_optimizers = weakref.WeakSet()
@@ -111,18 +109,13 @@ class Fabric:
                     raise RuntimeError(f"num_nodes={self._num_nodes} needs an outside launcher: on each node run "
                                        f"`torchrun --nnodes {self._num_nodes} --nproc-per-node {self._devices} "
                                        f"--node-rank R --master-addr HOST script.py ...` (or srun under SLURM).")
-                env = launcher.rerun_for_other_ranks(self._devices) if self._devices > 1 else self._solo_env()
+                many = self._devices > 1
+                env = launcher.rerun_for_other_ranks(self._devices) if many else launcher.solo_environment()
             else:
                 launcher.watch_parent()
             self._start_distributed(env)
         self._launched = True
         return fn(self, *args, **kwargs) if fn is not None else None
-
-    @staticmethod
-    def _solo_env() -> dict:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(launcher.free_port()))
-        return {"global_rank": 0, "local_rank": 0, "world_size": 1, "node_rank": 0, "local_world_size": 1}
 
     def _start_distributed(self, env: dict) -> None:
         expected = self._devices * self._num_nodes
@@ -181,8 +174,7 @@ class Fabric:
         if unknown:
             raise TypeError(f"Unknown setup arguments {sorted(unknown)}: per-module options are passed by strategy, "
                             f"as ddp={{...}} or fsdp={{...}}.")
-        key = {"DDP": "ddp", "FSDP": "fsdp"}.get(type(self._strategy).__name__)
-        return dict(options.get(key, {}))
+        return dict(options.get(self._strategy.options_key, {}))
 
     def setup_optimizers(self, *optimizers):
         """Wrap optimizers built from the parameters of modules returned by setup_module."""
@@ -244,7 +236,7 @@ class Fabric:
         self._set_up_optimizers.add(optimizer)
         self._precision.add_optimizer(optimizer)
         strategy, precision = self._strategy, self._precision
-        if precision.is_default and type(strategy) in (SingleDevice, DDP):
+        if type(strategy).optimizer_step is SingleDevice.optimizer_step and id(optimizer) not in precision.scalers:
             step = optimizer.step  # nothing to add on the way
         else:
             def step(closure=None):

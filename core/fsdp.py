@@ -18,6 +18,7 @@ from core.strategies import DDP
 
 class FSDP(DDP):
     guard_submodules = False  # FSDP2 hooks live on the module itself, so there is no wrapper to skip
+    options_key = "fsdp"
 
     def __init__(self, device, precision, wrap_modules=(), reshard_after_forward: bool = True,
                  cpu_offload: bool = False):

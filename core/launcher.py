@@ -68,6 +68,13 @@ def _this_command() -> list[str]:
     return [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]]
 
 
+def solo_environment() -> dict:
+    """A process group of one, for a distributed strategy asked to run on a single process."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    return {"global_rank": 0, "local_rank": 0, "world_size": 1, "node_rank": 0, "local_world_size": 1}
+
+
 def _threads_per_process(n: int) -> int:
     return max(1, (os.cpu_count() or 1) // n)
 

@@ -24,14 +24,19 @@ class SingleDevice:
     guard_submodules = False  # a wrapper that syncs gradients, which a child called directly would skip
     moves_module = True  # False where the engine places the module itself
     backward_needs_module = False  # True where backward goes through the module's engine
+    options_key = None  # the name of this strategy's per-module options in setup(..., ddp={...})
 
     def __init__(self, device: torch.device, precision, **options):
-        if options:
+        if options and not self.distributed:
             raise ValueError(f"Options {sorted(options)} need a distributed strategy; strategy='single' takes none.")
         self.device = device
         self.precision = precision
+        self.options = options  # defaults for every module; setup(..., ddp={...}) overrides per module
         self.global_rank = self.local_rank = self.node_rank = 0
         self.world_size = 1
+
+    def check_precision(self, precision: str) -> None:
+        """Refuse, with the reason, a precision this strategy cannot run."""
 
     def setup_environment(self, env: dict | None) -> None:
         pass
@@ -110,13 +115,7 @@ class DDP(SingleDevice):
 
     distributed = True
     guard_submodules = True
-
-    def __init__(self, device, precision, **options):
-        self.device = device
-        self.precision = precision
-        self.options = options  # defaults for every module; setup(..., **kwargs) overrides per module
-        self.global_rank = self.local_rank = self.node_rank = 0
-        self.world_size = 1
+    options_key = "ddp"
 
     def setup_environment(self, env: dict) -> None:
         self.global_rank, self.local_rank = env["global_rank"], env["local_rank"]

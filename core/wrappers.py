@@ -18,7 +18,6 @@ class FabricModule(nn.Module):
         self._original_module = original_module
         d = self.__dict__  # plain attributes, kept out of nn.Module's bookkeeping for speed
         d["_precision"] = precision
-        d["_forward_methods"] = set()
         d["_frozen"] = False
         # In 32-true on one device there is nothing to add: call the module itself.
         d["_call"] = forward_module if (precision.is_default and forward_module is original_module
@@ -68,7 +67,6 @@ class FabricModule(nn.Module):
             raise AttributeError(f"{type(self._original_module).__name__} has no method {name!r} to mark.")
         if name == "forward":
             raise ValueError("forward already goes through the wrapper; mark other methods only.")
-        self._forward_methods.add(name)
         self.__dict__[name] = self._redirected(name)  # beats nn.Module's own methods of the same name
 
     def _redirected(self, name: str):
