@@ -1,4 +1,4 @@
-"""Autoencoder in core: the same loop as train_torch.py, on any strategy and precision.
+"""Autoencoder: encoder + decoder grouped in one module, one optimizer with a param group each.
 
     python -m autoencoder.train
     python -m autoencoder.train --strategy ddp --devices 2     # also fsdp, deepspeed_stage_2, ...
@@ -25,7 +25,7 @@ from core.cli import FabricFlags
 def main(config: Config) -> dict:
     fabric = Fabric(**config.fabric_options())
     fabric.launch()
-    rank = fabric.global_rank
+    rank, device = fabric.global_rank, fabric.device
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     run = RunDir(config.out or config.resume, "autoencoder", write=rank == 0)
 
@@ -71,7 +71,7 @@ def main(config: Config) -> dict:
         return preemption.report(run, state["step"])
 
     model.eval()
-    results = evaluate(model, test_set, train_set, fabric.device)
+    results = evaluate(model, test_set, train_set, device)
     summary = finish(run, config, results, started, state["step"])
     return summary
 

@@ -1,4 +1,4 @@
-"""Autoencoder in plain PyTorch: encoder + decoder in one module, one optimizer with a param group each.
+"""Autoencoder: encoder + decoder grouped in one module, one optimizer with a param group each.
 
     python -m autoencoder.train_torch
     torchrun --nproc-per-node 2 -m autoencoder.train_torch
@@ -21,7 +21,7 @@ from autoencoder.report import evaluate, finish
 from common.config import cli
 from common.run import (Preemption, RunDir, batches, check_finite, check_resume_config, check_weights, resume_path,
                         write_config)
-from common.run import load_plain, save_plain
+from common.run import load_plain
 
 
 def main(config: Config) -> dict:
@@ -67,12 +67,10 @@ def main(config: Config) -> dict:
             run.log({"step": state["step"], "loss": loss.item()})
         if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
             check_weights(state, state["step"], run.checkpoint)
-            if rank == 0:
-                save_plain(run.checkpoint, state)
+            run.save_plain(state)
     progress.close()
     check_weights(state, state["step"], run.checkpoint)
-    if rank == 0:
-        save_plain(run.checkpoint, state)
+    run.save_plain(state)
     if preemption.requested:
         return preemption.report(run, state["step"])
 

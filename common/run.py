@@ -78,6 +78,11 @@ class RunDir:
             with open(self.path / "metrics.jsonl", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
 
+    def save_plain(self, state: dict) -> None:
+        """The plain variant's checkpoint of `state`, written by rank 0 (the process that writes the run)."""
+        if self.write:
+            save_plain(self.checkpoint, state)
+
     def plot_losses(self, keys, name: str = "losses.png") -> None:
         if not self.write:
             return

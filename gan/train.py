@@ -26,7 +26,7 @@ from gan.report import finish, save_samples
 def main(config: Config) -> dict:
     fabric = Fabric(**config.fabric_options())
     fabric.launch()
-    rank = fabric.global_rank
+    rank, device = fabric.global_rank, fabric.device
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     run = RunDir(config.out or config.resume, "gan", write=rank == 0)
 
@@ -51,7 +51,7 @@ def main(config: Config) -> dict:
         run.truncate_metrics(state["step"])
     write_config(run, config)
 
-    fixed_noise = fabric.to_device(torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(1)))
+    fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(1)).to(device)
     preemption = Preemption()
     started = time.time()
     progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="gan")
@@ -59,7 +59,7 @@ def main(config: Config) -> dict:
         if step >= config.max_steps or preemption.requested:
             break
         noise = torch.randn(real.size(0), config.nz, 1, 1, generator=step_generator(config.seed, rank, step))
-        noise = fabric.to_device(noise)
+        noise = noise.to(device)
 
         # (1) Update D: maximize log D(x) + log(1 - D(G(z)))
         fake = generator(noise)
@@ -100,7 +100,7 @@ def main(config: Config) -> dict:
     generator.eval()
     with torch.no_grad():
         eval_noise = torch.randn(config.eval_samples, config.nz, 1, 1, generator=torch.Generator().manual_seed(1))
-        generated = generator(fabric.to_device(eval_noise))
+        generated = generator(eval_noise.to(device))
         save_samples(run, generator(fixed_noise), state["step"])
     summary = finish(run, config, generated, started, state["step"])
     return summary

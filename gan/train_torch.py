@@ -17,7 +17,7 @@ from tqdm import tqdm
 from common.config import cli
 from common.run import (Preemption, RunDir, batches, check_finite, check_resume_config, check_weights, resume_path,
                         step_generator, write_config)
-from common.run import load_plain, save_plain
+from common.run import load_plain
 from gan.config import Config
 from gan.data import CHANNELS, load_images, make_loader
 from gan.model import Discriminator, Generator
@@ -93,12 +93,10 @@ def main(config: Config) -> dict:
                 save_samples(run, generator(fixed_noise), state["step"])
         if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
             check_weights(state, state["step"], run.checkpoint)
-            if rank == 0:
-                save_plain(run.checkpoint, state)
+            run.save_plain(state)
     progress.close()
     check_weights(state, state["step"], run.checkpoint)
-    if rank == 0:
-        save_plain(run.checkpoint, state)
+    run.save_plain(state)
     if preemption.requested:
         return preemption.report(run, state["step"])
 

@@ -1,4 +1,4 @@
-"""MAML through core: the same loop as train_torch.py, on any strategy and precision.
+"""MAML: an inner SGD per task, an outer Adam on the shared initialisation; the meta-batch split across ranks.
 
     python -m metalearn.train
     python -m metalearn.train --strategy ddp --devices 2
@@ -25,7 +25,7 @@ from metalearn.report import evaluate, finish, loss_function
 def main(config: Config) -> dict:
     fabric = Fabric(**config.fabric_options())
     fabric.launch()
-    rank, world_size = fabric.global_rank, fabric.world_size
+    rank, world_size, device = fabric.global_rank, fabric.world_size, fabric.device
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     run = RunDir(config.out or config.resume, "metalearn", write=rank == 0)
 
@@ -55,7 +55,7 @@ def main(config: Config) -> dict:
         # every rank draws the whole meta-batch from (seed, step) and keeps its own share of the tasks
         generator = step_generator(config.seed, 0, step)
         meta_batch = tasks.sample(config.batch_size, config.shots, config.queries, generator)
-        support_x, support_y, query_x, query_y = (fabric.to_device(t.tensor_split(world_size)[rank])
+        support_x, support_y, query_x, query_y = (t.tensor_split(world_size)[rank].to(device)
                                                   for t in meta_batch)
         # the sum over this rank's tasks, scaled so that the gradient averaged across ranks is the
         # gradient of the mean over the whole meta-batch, however unevenly it splits
@@ -78,7 +78,7 @@ def main(config: Config) -> dict:
     if preemption.requested:
         return preemption.report(run, state["step"])
 
-    results = evaluate(learner.evaluate, test_tasks, config, fabric.device)
+    results = evaluate(learner.evaluate, test_tasks, config, device)
     summary = finish(run, config, results, started, state["step"])
     return summary
 

@@ -1,4 +1,4 @@
-"""MAML in plain PyTorch: one device, or DDP when started by torchrun (the meta-batch split across ranks).
+"""MAML: an inner SGD per task, an outer Adam on the shared initialisation; the meta-batch split across ranks.
 
     python -m metalearn.train_torch
     torchrun --nproc-per-node 2 -m metalearn.train_torch
@@ -16,7 +16,7 @@ from tqdm import tqdm
 from common.config import cli
 from common.run import (Preemption, RunDir, check_finite, check_resume_config, check_weights, resume_path,
                         step_generator, write_config)
-from common.run import load_plain, save_plain
+from common.run import load_plain
 from metalearn.config import Config
 from metalearn.data import make_tasks
 from metalearn.maml import MetaLearner
@@ -73,12 +73,10 @@ def main(config: Config) -> dict:
             run.log({"step": state["step"], "loss": loss.item()})
         if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
             check_weights(state, state["step"], run.checkpoint)
-            if rank == 0:
-                save_plain(run.checkpoint, state)
+            run.save_plain(state)
     progress.close()
     check_weights(state, state["step"], run.checkpoint)
-    if rank == 0:
-        save_plain(run.checkpoint, state)
+    run.save_plain(state)
     if preemption.requested:
         return preemption.report(run, state["step"])
 
