@@ -120,13 +120,13 @@ def run_quality() -> str:
         summary = summaries[workload]
         value = summary[key]["1"] if key == "test_mse_steps" else summary[key]
         op, bound = target.split()
-        ok = value <= float(bound) if op == "<=" else value >= float(bound)
+        ok = value is not None and (value <= float(bound) if op == "<=" else value >= float(bound))
         rows.append([workload, key if key != "test_mse_steps" else "MSE after 1 step", value, target, _mark(ok),
                      summary["train_seconds"], reference])
     mse = summaries["metalearn"]["test_mse_steps"]
     markdown = ("Quality of the default commands on this machine:\n\n" +
                 table(["workload", "metric", "value", "target", "met", "train s", "reference"], rows) +
-                "\nMAML MSE after 0/1/5/10 steps: " + ", ".join(f"{v:.3f}" for v in mse.values()) + "\n")
+                "\nMAML MSE after 0/1/5/10 steps: " + ", ".join("diverged" if v is None else f"{v:.3f}" for v in mse.values()) + "\n")
     write("quality", {"commands": [q[1] for q in QUALITY if q[1]]}, rows, markdown)
     return markdown
 

@@ -12,7 +12,8 @@ class Config(RunConfig):
     batch_size: int = flag(25, "tasks per meta-batch, split across processes")
     log_every: int = flag(500, "write metrics every N meta-iterations")
     shots: int = flag(10, "support examples per task (per class for classification): the paper's K")
-    queries: int = flag(10, "query examples per task (per class for classification) in training")
+    queries: int = flag(100, "query examples per task (per class for classification) in training; the paper's "
+                        "code used K (10): more points estimate the same meta-loss with less noise")
     ways: int = flag(5, "classes per task (classification only): the paper's N")
     hidden: int = flag(40, "units in each hidden layer")
     inner_lr: float = flag(0.01, "inner SGD step size (the paper's alpha); the initial value with --learn-inner-lr")

@@ -6,6 +6,9 @@
   5-9 test, so test tasks are made of unseen classes).
 - `omniglot`: N-way K-shot on Omniglot characters read by torchvision from --data-root
   (`omniglot-py/images_background` for training, `images_evaluation` for test), resized to 28 px.
+Both classification sets count each class rotated by 90, 180 and 270 degrees as three more classes, as the
+MAML paper does for Omniglot (after Santoro et al., 2016): digits would otherwise give 5 training classes,
+which MAML memorises (training loss ~0, test accuracy near chance).
 Every draw takes an explicit torch.Generator, so a meta-batch is a pure function of (seed, step).
 """
 import math
@@ -41,7 +44,8 @@ class Classes:
         classes, per_class = self.images.shape[:2]
         if shots + queries > per_class:
             raise ValueError(f"{shots} shots + {queries} queries per class need {shots + queries} examples, "
-                             f"but the classes have {per_class}")
+                             f"but the classes have {per_class}: pass --shots and --queries that sum to at most "
+                             f"{per_class} (omniglot: e.g. --shots 1 --queries 15)")
         chosen = torch.stack([torch.randperm(classes, generator=generator)[:self.ways] for _ in range(tasks)])
         picks = torch.stack([torch.stack([torch.randperm(per_class, generator=generator)[:shots + queries]
                                           for _ in range(self.ways)]) for _ in range(tasks)])  # (T, N, K+Q)
@@ -60,6 +64,11 @@ def _digits_by_class(classes) -> torch.Tensor:
     labels = torch.tensor(digits.target)
     per_class = min(int((labels == c).sum()) for c in classes)
     return torch.stack([images[labels == c][:per_class] for c in classes])  # (C, M, 8, 8)
+
+
+def with_rotations(images: torch.Tensor) -> torch.Tensor:
+    """(C, M, H, W) -> (4C, M, H, W): each class rotated by 0, 90, 180 and 270 degrees, as a class of its own."""
+    return torch.cat([images.rot90(k, (2, 3)) for k in range(4)])
 
 
 def _omniglot_by_class(root: str, background: bool, download: bool) -> torch.Tensor:
@@ -89,5 +98,5 @@ def make_tasks(name: str, ways: int, train: bool, root: str = "data", download: 
     if name == "sinusoid":
         return Sinusoid()
     if name == "digits":
-        return Classes(_digits_by_class(range(5) if train else range(5, 10)), ways)
-    return Classes(_omniglot_by_class(root, train, download), ways)
+        return Classes(with_rotations(_digits_by_class(range(5) if train else range(5, 10))), ways)
+    return Classes(with_rotations(_omniglot_by_class(root, train, download)), ways)

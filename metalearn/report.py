@@ -6,17 +6,19 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common.run import step_generator
-
 EVAL_STEPS = (0, 1, 5, 10)
+EVAL_SEED = 2026  # the held-out tasks are the same for every run, whatever its --seed: runs compare task by task
 
 
 def loss_function(dataset: str):
     return F.mse_loss if dataset == "sinusoid" else F.cross_entropy
 
 
-def _mean_ci(values: torch.Tensor) -> tuple[float, float]:
+def _mean_ci(values: torch.Tensor) -> tuple[float | None, float | None]:
+    """Mean and 95% interval; None (null in summary.json) when an adaptation diverged to inf or nan."""
     values = values.double()
+    if not values.isfinite().all():
+        return None, None
     return values.mean().item(), 1.96 * values.std().item() / math.sqrt(len(values))
 
 
@@ -25,9 +27,10 @@ def evaluate(evaluate_fn, tasks, config, device) -> dict:
     """`evaluate_fn(sx, sy, qx, qy, steps)` is the learner's evaluate method; every process calls this."""
     queries = config.eval_queries if config.dataset == "sinusoid" else \
         min(config.eval_queries, tasks.images.shape[1] - config.shots)  # classes hold few examples
-    batch = tasks.sample(config.eval_tasks, config.shots, queries, step_generator(config.seed, -1, 0))
+    batch = tasks.sample(config.eval_tasks, config.shots, queries, torch.Generator().manual_seed(EVAL_SEED))
     support_x, support_y, query_x, query_y = (t.to(device) for t in batch)
-    results = {"mse" if config.dataset == "sinusoid" else "accuracy": {}, "median": {}, "ci95": {}, "curves": {}}
+    results = {"mse" if config.dataset == "sinusoid" else "accuracy": {}, "median": {}, "ci95": {}, "curves": {},
+               "diverged": {}}
     for steps in EVAL_STEPS:
         predictions, losses = evaluate_fn(support_x, support_y, query_x, query_y, steps)
         if config.dataset == "sinusoid":
@@ -37,7 +40,9 @@ def evaluate(evaluate_fn, tasks, config, device) -> dict:
             values = (predictions.argmax(-1) == query_y).float().mean(-1).cpu()
         mean, ci = _mean_ci(values)
         key = "mse" if config.dataset == "sinusoid" else "accuracy"
-        results[key][steps], results["ci95"][steps], results["median"][steps] = mean, ci, values.median().item()
+        results[key][steps], results["ci95"][steps], results["median"][steps] = mean, ci, \
+            values.nan_to_num(nan=math.inf).median().item()  # a diverged task ranks last
+        results["diverged"][steps] = int((~values.isfinite()).sum())
     results["tasks"] = (support_x[:3].cpu(), support_y[:3].cpu(), query_x[:3].cpu(), query_y[:3].cpu())
     return results
 
@@ -68,9 +73,11 @@ def finish(run, config, results: dict, started: float, steps: int) -> dict:
     summary = {"steps": steps, "train_seconds": round(time.time() - started, 1), **run.resources()}
     if config.dataset == "sinusoid":
         summary.update(test_mse_steps=results["mse"], test_mse_ci95_steps=results["ci95"],
-                       test_mse_median_steps=results["median"])
+                       test_mse_median_steps=results["median"], test_diverged_tasks_steps=results["diverged"])
         _plot_curves(run, results)
-        line = ", ".join(f"{k} steps {v:.3f}" for k, v in results["mse"].items())
+        line = ", ".join(f"{k} steps " + (f"{v:.3f}" if v is not None else
+                                          f"n/a ({results['diverged'][k]} tasks diverged; median "
+                                          f"{results['median'][k]:.3f})") for k, v in results["mse"].items())
         print(f"Run directory: {run.path}  test MSE after {line}")
     else:
         step = config.inner_steps if config.inner_steps in EVAL_STEPS else 10

@@ -7,9 +7,11 @@ import torch.nn.functional as F
 from PIL import Image
 
 from core.checkpoint import load_checkpoint
+from metalearn.config import Config
 from metalearn.data import Classes, Sinusoid, make_tasks
 from metalearn.maml import MetaLearner
 from metalearn.model import MLP
+from metalearn.report import evaluate
 from tests.conftest import run
 
 
@@ -112,6 +114,28 @@ def test_evaluation_improves_with_inner_steps_on_a_trained_init():
     assert after < before
 
 
+def test_held_out_tasks_do_not_depend_on_the_training_seed_and_divergence_is_reported():
+    torch.manual_seed(0)
+    learner = MetaLearner(MLP(1, 8, 1), F.mse_loss, inner_lr=0.01)
+    seen = []
+
+    def evaluate_fn(support_x, support_y, query_x, query_y, steps):
+        seen.append(support_x)
+        return learner.evaluate(support_x, support_y, query_x, query_y, steps)
+
+    def config(seed):
+        return Config(seed=seed, eval_tasks=50, eval_queries=20)
+
+    evaluate(evaluate_fn, Sinusoid(), config(0), torch.device("cpu"))
+    evaluate(evaluate_fn, Sinusoid(), config(1), torch.device("cpu"))
+    assert torch.equal(seen[0], seen[-1])  # the same 50 tasks, so two runs compare task by task
+
+    learner.inner_lr = 1e4  # steps this large blow the weights up to inf/nan
+    results = evaluate(evaluate_fn, Sinusoid(), config(0), torch.device("cpu"))
+    assert results["diverged"][0] == 0 and results["mse"][0] is not None
+    assert results["diverged"][10] > 0 and results["mse"][10] is None and results["ci95"][10] is None
+
+
 def test_sinusoid_tasks_follow_the_paper():
     sx, sy, qx, qy = Sinusoid().sample(500, 10, 5, torch.Generator().manual_seed(0))
     assert sx.shape == (500, 10, 1) and qy.shape == (500, 5, 1)
@@ -126,8 +150,10 @@ def test_digits_tasks_are_n_way_k_shot_with_unseen_test_classes():
     assert torch.equal(sy[0].sort().values, torch.arange(5).repeat_interleave(3))
     test = make_tasks("digits", ways=5, train=False)
     assert not torch.equal(tasks.images[0, 0], test.images[0, 0])
-    with pytest.raises(ValueError, match="need 6 classes"):
-        make_tasks("digits", ways=6, train=True)
+    # classes 0-4, each also rotated by 90, 180 and 270 degrees as a class of its own: 20 classes
+    assert tasks.images.shape[0] == 20 and torch.equal(tasks.images[5], tasks.images[0].rot90(1, (1, 2)))
+    with pytest.raises(ValueError, match="need 21 classes"):
+        make_tasks("digits", ways=21, train=True)
 
 
 def test_omniglot_from_a_generated_folder(tmp_path, monkeypatch):
@@ -140,9 +166,11 @@ def test_omniglot_from_a_generated_folder(tmp_path, monkeypatch):
             for i in range(4):
                 Image.fromarray(np.full((105, 105), 255 if i % 2 else 0, dtype=np.uint8)).save(folder / f"{i}.png")
     tasks = make_tasks("omniglot", ways=5, train=True, root=str(tmp_path))
-    assert isinstance(tasks, Classes) and tasks.images.shape == (6, 4, 28, 28)
+    assert isinstance(tasks, Classes) and tasks.images.shape == (24, 4, 28, 28)
     sx, sy, qx, qy = tasks.sample(2, 1, 3, torch.Generator().manual_seed(0))
     assert sx.shape == (2, 5, 784) and qx.shape == (2, 15, 784)
+    with pytest.raises(ValueError, match="sum to at most 4"):  # 20 drawings per character in the release
+        tasks.sample(2, 1, 10, torch.Generator().manual_seed(0))
     with pytest.raises(FileNotFoundError, match="omniglot-py/images_background"):
         make_tasks("omniglot", ways=5, train=True, root=str(tmp_path / "missing"))
 
