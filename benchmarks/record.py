@@ -18,7 +18,9 @@ def environment() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        # the results and the README tables are this harness's own output, rewritten as it goes
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                     ":!benchmarks/results", ":!README.md"], cwd=ROOT,
                                     capture_output=True, text=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = "unknown", False
@@ -31,7 +33,7 @@ def environment() -> dict:
                platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
     return {"commit": commit + ("-dirty" if dirty else ""), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "python": sys.version.split()[0], "torch": torch.__version__, "deepspeed": deepspeed_version,
-            "cpu": cpu, "cores": os.cpu_count(), "threads_per_process": int(os.environ.get("OMP_NUM_THREADS", "1")),
+            "cpu": cpu, "cores": os.cpu_count(), "threads_per_process": 1,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
@@ -39,14 +41,16 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def write(name: str, config: dict, rows: list[dict], markdown: str) -> Path:
-    """Write results/<name>.json and results/<name>.md; return the markdown path."""
+def write(name: str, config: dict, rows: list[dict], markdown: str, threads: int | str = 1) -> Path:
+    """Write results/<name>.json and results/<name>.md; return the markdown path. `threads`: the intra-op
+    threads of each timed process (the parts pin 1; the quality runs keep torch's default)."""
     RESULTS.mkdir(exist_ok=True)
-    env = environment()
+    env = {**environment(), "threads_per_process": threads}
     (RESULTS / f"{name}.json").write_text(json.dumps({"environment": env, "config": config, "rows": rows},
                                                      indent=2) + "\n")
     header = (f"_commit {env['commit']}, {env['date']}, torch {env['torch']}, deepspeed {env['deepspeed']}, "
-              f"{env['cpu']} ({env['cores']} cores), {env['threads_per_process']} thread(s) per process"
+              f"{env['cpu']} ({env['cores']} cores), "
+              f"{threads if isinstance(threads, str) else f'{threads} thread(s)'} per process"
               f"{', ' + env['gpu'] if env['gpu'] else ''}; config: `{json.dumps(config)}`_\n\n")
     path = RESULTS / f"{name}.md"
     path.write_text(header + markdown)

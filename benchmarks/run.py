@@ -128,7 +128,8 @@ def run_quality() -> str:
                 table(["workload", "metric", "value", "target", "met", "train s", "reference"], rows) +
                 "\nMAML MSE after 0/1/5/10 steps: " +
                 ", ".join("diverged" if v is None else f"{v:.3f}" for v in mse.values()) + "\n")
-    write("quality", {"commands": [q[1] for q in QUALITY if q[1]]}, rows, markdown)
+    write("quality", {"commands": [q[1] for q in QUALITY if q[1]]}, rows, markdown,
+          threads="torch's default threads (one per core)")
     return markdown
 
 
