@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from core.wrappers import FabricModule, FabricOptimizer
+
 FORMAT = "core-checkpoint"
 
 
@@ -114,3 +116,45 @@ def check_state_dict(module: torch.nn.Module, state: dict, name: str, strict: bo
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise CheckpointError(f"The checkpoint's {name!r} does not match the model: {shown}. Was it saved "
                               f"from a model of another shape or configuration?")
+
+
+def collect(state: dict, strategy, precision, module_of: dict) -> dict:
+    """What `fabric.save` writes for `state`: set-up modules and optimizers as the strategy's state dicts
+    (with each optimizer's loss scale), other modules and optimizers as their state dicts, the rest as is.
+    `module_of` maps id(wrapped optimizer) to the FabricModule it updates."""
+    def state_of(value):
+        if isinstance(value, FabricModule):
+            return strategy.module_state(value)
+        if isinstance(value, FabricOptimizer):
+            return {"optimizer": strategy.optimizer_state(value.optimizer, module_of[id(value)]),
+                    "scaler": precision.state_dict(value.optimizer)}
+        if hasattr(value, "state_dict"):
+            return value.state_dict()
+        return value
+    return {key: state_of(value) for key, value in state.items()}
+
+
+def restore(saved: dict, state: dict, strategy, precision, module_of: dict, path, strict: bool) -> dict:
+    """Load `saved` into `state`'s objects in place and its plain values into `state`; return what `saved`
+    holds beyond `state`."""
+    missing = [key for key in state if key not in saved]
+    if missing and strict:
+        raise CheckpointError(f"The checkpoint {path} has no {missing} (it holds {sorted(saved)}). "
+                              f"Pass strict=False to load what is there.")
+    for key, value in state.items():
+        if key not in saved:
+            continue
+        if isinstance(value, FabricModule):
+            strategy.load_module_state(value, saved[key], strict, key, path)
+        elif isinstance(value, FabricOptimizer):
+            strategy.load_optimizer_state(value.optimizer, module_of[id(value)], saved[key]["optimizer"])
+            value.__dict__.update(state=value.optimizer.state, param_groups=value.optimizer.param_groups)
+            precision.load_state_dict(value.optimizer, saved[key]["scaler"])
+        elif isinstance(value, torch.nn.Module):
+            check_state_dict(value, saved[key], key, strict)
+            value.load_state_dict(saved[key], strict=strict)
+        elif hasattr(value, "load_state_dict"):
+            value.load_state_dict(saved[key])
+        else:
+            state[key] = saved[key]
+    return {key: value for key, value in saved.items() if key not in state}

@@ -18,7 +18,8 @@ from core import checkpoint, launcher, validation
 from core.precision import Precision
 from core.seed import seed_everything
 from core.strategies import DDP, STRATEGIES, SingleDevice, frozen_parameters
-from core.wrappers import FabricDataLoader, FabricModule, FabricOptimizer, shard_loader, wrap_optimizer
+from core.wrappers import (FabricDataLoader, FabricModule, FabricOptimizer, move_to, shard_loader,
+                           wrap_optimizer)
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 
@@ -103,25 +104,11 @@ class Fabric:
             self._launched = True
             return launcher.spawn(fn, self._devices, self, args, kwargs)
         if self._strategy.distributed:
-            env = launcher.cluster_environment()
-            if env is None:
-                if self._num_nodes > 1:
-                    raise RuntimeError(f"num_nodes={self._num_nodes} needs an outside launcher: on each node run "
-                                       f"`torchrun --nnodes {self._num_nodes} --nproc-per-node {self._devices} "
-                                       f"--node-rank R --master-addr HOST script.py ...` (or srun under SLURM).")
-                many = self._devices > 1
-                env = launcher.rerun_for_other_ranks(self._devices) if many else launcher.solo_environment()
-            else:
-                launcher.watch_parent()
-            self._start_distributed(env)
+            self._start_distributed(launcher.start(self._devices, self._num_nodes))
         self._launched = True
         return fn(self, *args, **kwargs) if fn is not None else None
 
     def _start_distributed(self, env: dict) -> None:
-        expected = self._devices * self._num_nodes
-        if env["world_size"] != expected:
-            raise RuntimeError(f"The launcher started {env['world_size']} processes, but devices={self._devices} x "
-                               f"num_nodes={self._num_nodes} = {expected}. Make them agree.")
         self._strategy.setup_environment(env)
         self._precision.device_type = self._strategy.device.type
         self._launched = True
@@ -160,14 +147,17 @@ class Fabric:
     def setup_module(self, module: nn.Module, move_to_device: bool = True, **module_options) -> FabricModule:
         """Set up a module alone; create its optimizer from the returned module's parameters afterwards."""
         self._check_launched()
-        if self._strategy.joint_setup:
-            raise RuntimeError(f"The {self._strategy_name!r} strategy does not support setting up the module and "
-                               f"optimizer(s) independently: model and optimizers must be set up jointly. Use "
-                               f"`fabric.setup(model, *optimizers)`.")
+        self._check_split_setup()
         validation.check_module(module, self._set_up_modules)
         module = self._prepare(module, move_to_device)
         return self._register_module(self._strategy.setup_module(module, **self._module_options(module_options)),
                                      module)
+
+    def _check_split_setup(self) -> None:
+        if self._strategy.joint_setup:
+            raise RuntimeError(f"The {self._strategy_name!r} strategy does not support setting up the module and "
+                               f"optimizer(s) independently: model and optimizers must be set up jointly. Use "
+                               f"`fabric.setup(model, *optimizers)`.")
 
     def _module_options(self, options: dict) -> dict:
         unknown = set(options) - {"ddp", "fsdp"}
@@ -178,10 +168,7 @@ class Fabric:
 
     def setup_optimizers(self, *optimizers):
         """Wrap optimizers built from the parameters of modules returned by setup_module."""
-        if self._strategy.joint_setup:
-            raise RuntimeError(f"The {self._strategy_name!r} strategy does not support setting up the module and "
-                               f"optimizer(s) independently: model and optimizers must be set up jointly. Use "
-                               f"`fabric.setup(model, *optimizers)`.")
+        self._check_split_setup()
         if not optimizers:
             raise ValueError("`setup_optimizers` requires at least one optimizer.")
         validation.check_optimizers(optimizers, self._set_up_optimizers)
@@ -312,14 +299,8 @@ class Fabric:
 
     # --- collectives and rank information ----------------------------------------------------------
     def to_device(self, obj):
-        if isinstance(obj, (torch.Tensor, nn.Module)):
-            return obj.to(self.device)
-        if isinstance(obj, (list, tuple)):
-            moved = [self.to_device(x) for x in obj]
-            return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
-        if isinstance(obj, dict):
-            return {k: self.to_device(v) for k, v in obj.items()}
-        return obj
+        """Move tensors and modules, also inside lists, tuples and dicts, to this process's device."""
+        return move_to(obj, self.device)
 
     def print(self, *args, **kwargs) -> None:
         if self.is_global_zero:
@@ -375,18 +356,8 @@ class Fabric:
     def save(self, path, state: dict) -> None:
         """Save set-up modules, optimizers and plain values (numbers, strings, tensors, containers) in
         one checkpoint, atomically. Every process must call it."""
-        self._strategy.save_checkpoint(path, {key: self._state_of(value) for key, value in state.items()})
-
-    def _state_of(self, value):
-        if isinstance(value, FabricModule):
-            return self._strategy.module_state(value)
-        if isinstance(value, FabricOptimizer):
-            module = self._module_of[id(value)]
-            return {"optimizer": self._strategy.optimizer_state(value.optimizer, module),
-                    "scaler": self._precision.state_dict(value.optimizer)}
-        if isinstance(value, (nn.Module, torch.optim.Optimizer)) or hasattr(value, "state_dict"):
-            return value.state_dict()
-        return value
+        self._strategy.save_checkpoint(path, checkpoint.collect(state, self._strategy, self._precision,
+                                                                self._module_of))
 
     def load(self, path, state: dict | None = None, strict: bool = True) -> dict:
         """Restore `state`'s modules and optimizers in place, and its plain values; return what the
@@ -394,25 +365,4 @@ class Fabric:
         saved = self._strategy.load_checkpoint(path)
         if state is None:
             return saved
-        missing = [key for key in state if key not in saved]
-        if missing and strict:
-            raise checkpoint.CheckpointError(f"The checkpoint {path} has no {missing} (it holds {sorted(saved)}). "
-                                             f"Pass strict=False to load what is there.")
-        for key, value in state.items():
-            if key not in saved:
-                continue
-            if isinstance(value, FabricModule):
-                self._strategy.load_module_state(value, saved[key], strict, key, path)
-            elif isinstance(value, FabricOptimizer):
-                self._strategy.load_optimizer_state(value.optimizer, self._module_of[id(value)],
-                                                    saved[key]["optimizer"])
-                value.__dict__.update(state=value.optimizer.state, param_groups=value.optimizer.param_groups)
-                self._precision.load_state_dict(value.optimizer, saved[key]["scaler"])
-            elif isinstance(value, nn.Module):
-                checkpoint.check_state_dict(value, saved[key], key, strict)
-                value.load_state_dict(saved[key], strict=strict)
-            elif hasattr(value, "load_state_dict"):
-                value.load_state_dict(saved[key])
-            else:
-                state[key] = saved[key]
-        return {key: value for key, value in saved.items() if key not in state}
+        return checkpoint.restore(saved, state, self._strategy, self._precision, self._module_of, path, strict)

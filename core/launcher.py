@@ -39,6 +39,23 @@ def cluster_environment() -> dict | None:
     return None
 
 
+def start(devices: int, num_nodes: int) -> dict:
+    """This process's ranks for a run of `devices` processes on each of `num_nodes` machines: from torchrun or
+    SLURM when they started it, else from re-running the script for ranks 1..devices-1 on this machine."""
+    env = cluster_environment()
+    if env is None:
+        if num_nodes > 1:
+            raise RuntimeError(f"num_nodes={num_nodes} needs an outside launcher: on each node run `torchrun "
+                               f"--nnodes {num_nodes} --nproc-per-node {devices} --node-rank R --master-addr HOST "
+                               f"script.py ...` (or srun under SLURM).")
+        return rerun_for_other_ranks(devices) if devices > 1 else solo_environment()
+    if env["world_size"] != devices * num_nodes:
+        raise RuntimeError(f"The launcher started {env['world_size']} processes, but devices={devices} x "
+                           f"num_nodes={num_nodes} = {devices * num_nodes}. Make them agree.")
+    watch_parent()
+    return env
+
+
 def _first_slurm_host(nodelist: str) -> str:
     # "node[01-04],gpu7" -> "node01"; a plain name is returned as is
     first = nodelist.split(",")[0]

@@ -213,3 +213,15 @@ def shard_loader(loader: DataLoader, world_size: int, rank: int) -> DataLoader:
                       pin_memory=loader.pin_memory, drop_last=loader.drop_last, timeout=loader.timeout,
                       worker_init_fn=loader.worker_init_fn, generator=loader.generator,
                       persistent_workers=loader.persistent_workers, **extra)
+
+
+def move_to(obj, device: torch.device):
+    """Tensors and modules moved to `device`, also inside lists, tuples (named ones too) and dicts."""
+    if isinstance(obj, (torch.Tensor, nn.Module)):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        moved = [move_to(x, device) for x in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+    if isinstance(obj, dict):
+        return {k: move_to(v, device) for k, v in obj.items()}
+    return obj

@@ -2,6 +2,7 @@
 checkpoints and safe loading."""
 import os
 import pickle
+from collections import namedtuple
 
 import pytest
 import torch
@@ -9,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from core import CheckpointError, Fabric, seed_everything
-from core.wrappers import FabricDataLoader, FabricModule
+from core import CheckpointError, Fabric, launcher, seed_everything
+from core.wrappers import FabricDataLoader, FabricModule, move_to
 
 
 def mlp(seed=0, width=8):
@@ -209,6 +210,27 @@ class TestValidation:
         fabric = Fabric(accelerator="cpu", strategy="ddp", devices=2)
         with pytest.raises(RuntimeError, match="call `fabric.launch\\(\\)` before setup"):
             fabric.setup(mlp())
+
+    def test_launch_without_a_launcher_for_several_nodes_or_with_a_mismatched_one(self, monkeypatch):
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_PROCID"):
+            monkeypatch.delenv(name, raising=False)
+        with pytest.raises(RuntimeError, match="num_nodes=2 needs an outside launcher: on each node run `torchrun "
+                                               "--nnodes 2 --nproc-per-node 1"):
+            launcher.start(devices=1, num_nodes=2)
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "3")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        with pytest.raises(RuntimeError, match="started 3 processes, but devices=1 x num_nodes=2 = 2"):
+            launcher.start(devices=1, num_nodes=2)
+
+    def test_to_device_moves_nested_tensors_and_keeps_container_types(self):
+        Pair = namedtuple("Pair", "x y")
+        batch = {"images": [torch.ones(2), (torch.zeros(1), "label")], "pair": Pair(torch.ones(1), 3)}
+        moved = move_to(batch, torch.device("meta"))
+        assert moved["images"][0].is_meta and moved["images"][1][0].is_meta and moved["images"][1][1] == "label"
+        assert isinstance(moved["images"][1], tuple) and isinstance(moved["pair"], Pair)
+        assert moved["pair"].x.is_meta and moved["pair"].y == 3
 
     def test_deepspeed_refuses_split_setup(self):
         pytest.importorskip("deepspeed")
