@@ -33,7 +33,7 @@ def environment() -> dict:
                platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
     return {"commit": commit + ("-dirty" if dirty else ""), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "python": sys.version.split()[0], "torch": torch.__version__, "deepspeed": deepspeed_version,
-            "cpu": cpu, "cores": os.cpu_count(), "threads_per_process": 1,
+            "cpu": cpu, "cores": os.cpu_count(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 

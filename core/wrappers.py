@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
+from core.precision import map_nested
+
 
 class FabricModule(nn.Module):
     """A set-up module. Calling it runs the strategy wrapper (DDP, DeepSpeed engine, ...) under the
@@ -217,11 +219,4 @@ def shard_loader(loader: DataLoader, world_size: int, rank: int) -> DataLoader:
 
 def move_to(obj, device: torch.device):
     """Tensors and modules moved to `device`, also inside lists, tuples (named ones too) and dicts."""
-    if isinstance(obj, (torch.Tensor, nn.Module)):
-        return obj.to(device)
-    if isinstance(obj, (list, tuple)):
-        moved = [move_to(x, device) for x in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
-    if isinstance(obj, dict):
-        return {k: move_to(v, device) for k, v in obj.items()}
-    return obj
+    return map_nested(obj, lambda leaf: leaf.to(device) if isinstance(leaf, (torch.Tensor, nn.Module)) else leaf)

@@ -29,8 +29,8 @@ def evaluate(evaluate_fn, tasks, config, device) -> dict:
         min(config.eval_queries, tasks.images.shape[1] - config.shots)  # classes hold few examples
     batch = tasks.sample(config.eval_tasks, config.shots, queries, torch.Generator().manual_seed(EVAL_SEED))
     support_x, support_y, query_x, query_y = (t.to(device) for t in batch)
-    results = {"mse" if config.dataset == "sinusoid" else "accuracy": {}, "median": {}, "ci95": {}, "curves": {},
-               "diverged": {}}
+    key = "mse" if config.dataset == "sinusoid" else "accuracy"
+    results = {key: {}, "median": {}, "ci95": {}, "curves": {}, "diverged": {}}
     for steps in EVAL_STEPS:
         predictions, losses = evaluate_fn(support_x, support_y, query_x, query_y, steps)
         if config.dataset == "sinusoid":
@@ -39,7 +39,6 @@ def evaluate(evaluate_fn, tasks, config, device) -> dict:
         else:
             values = (predictions.argmax(-1) == query_y).float().mean(-1).cpu()
         mean, ci = _mean_ci(values)
-        key = "mse" if config.dataset == "sinusoid" else "accuracy"
         results[key][steps], results["ci95"][steps], results["median"][steps] = mean, ci, \
             values.nan_to_num(nan=math.inf).median().item()  # a diverged task ranks last
         results["diverged"][steps] = int((~values.isfinite()).sum())
