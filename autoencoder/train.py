@@ -16,8 +16,7 @@ from autoencoder.data import CHANNELS, load_splits, make_loader
 from autoencoder.model import AutoEncoder
 from autoencoder.report import evaluate, finish
 from common.config import cli
-from common.run import (Preemption, RunDir, batches, check_finite, check_resume_config, check_weights, resume_path,
-                        write_config)
+from common.run import (RunDir, StopRequests, batches, check_resume_config, check_weights, resume_path, write_config)
 from core import Fabric
 from core.cli import FabricFlags
 
@@ -25,12 +24,13 @@ from core.cli import FabricFlags
 def main(config: Config) -> dict:
     fabric = Fabric(**config.fabric_options())
     fabric.launch()
-    rank, device = fabric.global_rank, fabric.device
+    rank, world_size, device = fabric.global_rank, fabric.world_size, fabric.device
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out or config.resume, "autoencoder", write=rank == 0)
+    run = RunDir(config.out or config.resume, "autoencoder", write=rank == 0, broadcast=fabric.broadcast)
 
     train_set, test_set = load_splits(config.dataset, config.data_root, config.image_size, config.download)
-    loader = fabric.setup_dataloaders(make_loader(train_set, config.batch_size, config.seed, config.num_workers))
+    loader = make_loader(train_set, config.batch_size, config.seed, config.num_workers, rank, world_size)
+    loader = fabric.setup_dataloaders(loader)
 
     model = AutoEncoder(CHANNELS[config.dataset], config.latent, config.image_size, config.width)
     optimizer = torch.optim.Adam([{"params": model.encoder.parameters(), "lr": config.lr_encoder},
@@ -45,11 +45,11 @@ def main(config: Config) -> dict:
         run.truncate_metrics(state["step"])
     write_config(run, config)
 
-    preemption = Preemption()
+    stop = StopRequests(device, fabric.all_reduce)  # signals and NaNs, all ranks together
     started = time.time()
     progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="autoencoder")
     for step, (images, _) in batches(loader, state["step"]):
-        if step >= config.max_steps or preemption.requested:
+        if step >= config.max_steps:
             break
         loss = F.mse_loss(model(images), images)
         optimizer.zero_grad(set_to_none=True)
@@ -58,17 +58,20 @@ def main(config: Config) -> dict:
 
         state["step"] = step + 1
         progress.update()
-        if state["step"] % config.log_every == 0 or state["step"] == config.max_steps:
-            check_finite(loss, step, run.checkpoint)
+        log = state["step"] % config.log_every == 0 or state["step"] == config.max_steps
+        stopping = stop.check(step, loss if log else None, run.checkpoint)
+        if log:
             run.log({"step": state["step"], "loss": loss.item()})
+        if stopping:
+            break
         if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
             check_weights(state, state["step"], run.checkpoint)
             fabric.save(run.checkpoint, state)
     progress.close()
     check_weights(state, state["step"], run.checkpoint)
     fabric.save(run.checkpoint, state)
-    if preemption.requested:
-        return preemption.report(run, state["step"])
+    if stop.reason:
+        return stop.report(run, state["step"])
 
     model.eval()
     results = evaluate(model, test_set, train_set, device)

@@ -19,8 +19,7 @@ from autoencoder.data import CHANNELS, load_splits, make_loader
 from autoencoder.model import AutoEncoder
 from autoencoder.report import evaluate, finish
 from common.config import cli
-from common.run import (Preemption, RunDir, batches, check_finite, check_resume_config, check_weights, resume_path,
-                        write_config)
+from common.run import (RunDir, StopRequests, batches, check_resume_config, check_weights, resume_path, write_config)
 from common.run import load_plain
 
 
@@ -48,11 +47,11 @@ def main(config: Config) -> dict:
         run.truncate_metrics(state["step"])
     write_config(run, config)
 
-    preemption = Preemption()
+    stop = StopRequests(device, dist.all_reduce if world_size > 1 else None)  # signals and NaNs, all ranks together
     started = time.time()
     progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="autoencoder")
     for step, (images, _) in batches(loader, state["step"]):
-        if step >= config.max_steps or preemption.requested:
+        if step >= config.max_steps:
             break
         images = images.to(device)
         loss = F.mse_loss(model(images), images)
@@ -62,17 +61,20 @@ def main(config: Config) -> dict:
 
         state["step"] = step + 1
         progress.update()
-        if state["step"] % config.log_every == 0 or state["step"] == config.max_steps:
-            check_finite(loss, step, run.checkpoint)
+        log = state["step"] % config.log_every == 0 or state["step"] == config.max_steps
+        stopping = stop.check(step, loss if log else None, run.checkpoint)
+        if log:
             run.log({"step": state["step"], "loss": loss.item()})
+        if stopping:
+            break
         if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
             check_weights(state, state["step"], run.checkpoint)
             run.save_plain(state)
     progress.close()
     check_weights(state, state["step"], run.checkpoint)
     run.save_plain(state)
-    if preemption.requested:
-        return preemption.report(run, state["step"])
+    if stop.reason:
+        return stop.report(run, state["step"])
 
     model.eval()
     results = evaluate(getattr(model, "module", model), test_set, train_set, device)  # DDP is not needed here

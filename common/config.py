@@ -65,6 +65,9 @@ def cli(main, *config_classes, prog: str, description: str = ""):
     except FloatingPointError as error:  # the run diverged: not misuse, but no traceback is needed either
         sys.stderr.write(f"{prog}: stopped: {error}\n")
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop, which turns it into a checkpointed stop
+        sys.stderr.write(f"{prog}: interrupted before training started; nothing was saved\n")
+        sys.exit(130)
 
 
 def error_exit(prog: str, message: str):

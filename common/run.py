@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -20,8 +21,11 @@ RESUMABLE_CHANGES = {"out", "resume", "max_steps", "checkpoint_every", "log_ever
 
 
 class RunDir:
-    def __init__(self, out: str, workload: str, write: bool = True):
-        self.path = Path(out or f"runs/{workload}-{time.strftime('%Y%m%d-%H%M%S')}")
+    def __init__(self, out: str, workload: str, write: bool = True, broadcast=None):
+        """`broadcast` (e.g. fabric.broadcast) hands every rank rank 0's value, so that all ranks of a
+        multi-process run agree on the default directory, which is named by the clock."""
+        out = out or f"runs/{workload}-{time.strftime('%Y%m%d-%H%M%S')}"
+        self.path = Path(broadcast(out) if broadcast is not None else out)
         self.write = write  # False on every rank but 0
         self.started = time.perf_counter()
         if write:
@@ -131,6 +135,9 @@ def check_resume_config(checkpoint: Path, config) -> None:
 def batches(loader, start_step: int = 0):
     """Yield (step, batch) without end, from `start_step` on. Each epoch's order comes from the
     DistributedSampler's (seed, epoch), so resuming skips to the right batch of the right epoch."""
+    if len(loader) == 0:
+        raise ValueError("the data loader yields no batch: --batch-size times the number of processes is more "
+                         "than the examples of the dataset; lower --batch-size")
     epoch, skip = divmod(start_step, len(loader))
     step = start_step
     for epoch in itertools.count(epoch):
@@ -141,31 +148,63 @@ def batches(loader, start_step: int = 0):
         skip = 0
 
 
-class Preemption:
-    """SIGTERM (preemption, `scancel`, `kill`) sets a flag; the loop checkpoints at the next step and exits 0."""
+class StopRequests:
+    """Early stops, decided by every rank together at a step boundary.
 
-    def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
+    SIGTERM (preemption, `scancel`, `kill`) and SIGINT (Ctrl-C) on any rank ask for a stop: every rank
+    stops after the same step, the loop saves its checkpoint, and `report` ends the run (exit 0 after
+    SIGTERM, 130 after SIGINT). A second Ctrl-C ends the process at once. A non-finite loss on any rank
+    stops every rank with a FloatingPointError before anything is saved.
+
+    `reduce` sums or averages a tensor over the ranks (in place or returned): `dist.all_reduce` or
+    `fabric.all_reduce`; None on one process. One small reduction per step keeps the ranks in step.
+    """
+
+    def __init__(self, device=None, reduce=None):
+        self.device = torch.device("cpu") if reduce is None or device is None else device
+        self.reduce = reduce
+        self.signals = {signal.SIGTERM: 0, signal.SIGINT: 0}  # received by this process
+        self.reason = None  # "SIGTERM" or "SIGINT" once the ranks agreed to stop
+        for signum in self.signals:
+            signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame):
-        self.requested = True
+        self.signals[signum] += 1
+        if signum == signal.SIGINT and self.signals[signum] > 1:
+            sys.stderr.write("Interrupted twice: stopping now, without a checkpoint of this step.\n")
+            sys.stderr.flush()
+            os._exit(130)
+
+    def check(self, step: int, loss: torch.Tensor | None, checkpoint: Path) -> bool:
+        """True when any rank asked to stop; raise when `loss` (None: not checked at this step) is not
+        finite on any rank. Every rank must call it at every step."""
+        flags = torch.tensor([self.signals[signal.SIGTERM], self.signals[signal.SIGINT], 0.0], device=self.device)
+        if loss is not None:
+            flags[2] = (~loss.detach().isfinite().all()).to(flags.dtype)
+        if self.reduce is not None:
+            reduced = self.reduce(flags)
+            flags = reduced if isinstance(reduced, torch.Tensor) else flags
+        sigterm, sigint, not_finite = (float(x) > 0 for x in flags.tolist())
+        if not_finite:
+            where = f"{loss.item()} on this process" if not bool(loss.isfinite().all()) else "on another process"
+            raise FloatingPointError(f"the loss is not finite at step {step} ({where}); stopping without "
+                                     f"saving. {_last_good(checkpoint)}")
+        if sigint or sigterm:
+            self.reason = "SIGINT" if sigint else "SIGTERM"
+        return self.reason is not None
 
     def report(self, run: "RunDir", step: int) -> dict:
+        """After the checkpoint of a stop: say so on rank 0, and end the run (exit 130 after Ctrl-C)."""
         if run.write:
-            print(f"Stopped by SIGTERM at step {step}; the checkpoint is saved. Resume with --resume {run.path}")
+            print(f"Stopped by {self.reason} at step {step}; the checkpoint is saved. Resume with "
+                  f"--resume {run.path}", flush=True)
+        if self.reason == "SIGINT":
+            sys.exit(130)
         return {}
 
 
-def check_finite(loss, step: int, checkpoint: Path) -> None:
-    """Stop the run, before anything is saved, when the loss of `step` is NaN or infinite."""
-    if not bool(loss.isfinite().all()):
-        raise FloatingPointError(f"the loss is not finite at step {step} ({loss.item()}); stopping without "
-                                 f"saving. {_last_good(checkpoint)}")
-
-
 def _last_good(checkpoint: Path) -> str:
-    if checkpoint.is_file():
+    if checkpoint.exists():
         return f"The last good checkpoint is {checkpoint}: resume from it with a lower learning rate or another seed."
     return "No checkpoint had been written yet: start again with a lower learning rate or another seed."
 

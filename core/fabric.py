@@ -110,6 +110,7 @@ class Fabric:
 
     def _start_distributed(self, env: dict) -> None:
         self._strategy.setup_environment(env)
+        launcher.end_run_at_exit(self._strategy.teardown)
         self._precision.device_type = self._strategy.device.type
         self._launched = True
 

@@ -14,8 +14,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -114,11 +116,12 @@ def rerun_for_other_ranks(num_processes: int) -> dict:
     return cluster_environment()
 
 
-def _stop(children: dict) -> None:
+def _stop(children: dict, grace: float = 5) -> None:
+    """SIGTERM, then SIGKILL after `grace` seconds for any rank still running."""
     for proc in children.values():
         if proc.poll() is None:
             proc.terminate()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + grace
     for proc in children.values():
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -141,7 +144,7 @@ def _report_dead(children: dict, wait: float = 0.0) -> bool:
 
 
 def _watch_children(children: dict) -> None:
-    state = {"failed": False}
+    _children.update(children)
 
     def watch():
         while True:
@@ -152,21 +155,94 @@ def _watch_children(children: dict) -> None:
                 return
             time.sleep(0.2)
 
-    def on_error(kind, value, tb):  # rank 0 failed, often because another rank died mid-collective
-        state["failed"] = True
-        sys.__excepthook__(kind, value, tb)
-        _report_dead(children, wait=2.0)
+    threading.Thread(target=watch, daemon=True, name="core-rank-watch").start()
 
-    def at_exit():  # rank 0 finished: wait for the other ranks, or stop them when rank 0 failed
-        if state["failed"]:
-            _stop(children)
-            return
-        for proc in children.values():
-            proc.wait()
+
+_children: dict = {}  # rank -> Popen, in rank 0 of a re-run command
+_failed = False  # this process raised an exception nobody caught
+
+
+def end_run_at_exit(teardown) -> None:
+    """At this process's exit, end the run with the other ranks: when every rank reached its exit, tear
+    the process group down (and, in rank 0 of a re-run, wait for the others); when rank 0 leaves while
+    another rank has not finished (an error, a non-zero exit), stop those ranks instead of waiting on
+    them. Every wait is bounded: rank 0 waits CORE_EXIT_TIMEOUT seconds (default 5) for the others."""
+    previous_hook = sys.excepthook
+
+    def on_error(kind, value, tb):  # an uncaught exception: no rank will meet this one at its exit
+        global _failed
+        _failed = True
+        previous_hook(kind, value, tb)
+        if _children:
+            _report_dead(_children, wait=2.0)  # often the cause: another rank died mid-collective
 
     sys.excepthook = on_error
-    atexit.register(at_exit)
-    threading.Thread(target=watch, daemon=True, name="core-rank-watch").start()
+    atexit.register(_end_run, teardown)
+
+
+def _end_run(teardown) -> None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    finished = not _failed and dist.is_initialized() and _all_ranks_finished(rank)
+    if finished:
+        teardown()
+    if not _children:
+        return
+    if finished:
+        _wait_or_stop(_children, float(os.environ.get("CORE_EXIT_TIMEOUT", 5)) * 6)
+        return
+    running = [r for r, proc in _children.items() if proc.poll() is None]
+    if running and not _failed:
+        print(f"[core] rank 0 is exiting before rank(s) {', '.join(map(str, running))} finished; stopping them.",
+              file=sys.stderr, flush=True)
+    _stop(_children, grace=2)
+
+
+def _all_ranks_finished(rank: int) -> bool:
+    """A barrier with a bound: True when every rank reached it. Rank 0 waits CORE_EXIT_TIMEOUT seconds;
+    the others wait for rank 0, which may still be writing results, up to 30 minutes."""
+    import datetime
+
+    import torch.distributed as dist
+
+    seconds = float(os.environ.get("CORE_EXIT_TIMEOUT", 5)) if rank == 0 else 1800
+    try:
+        with _stderr_without("monitoredBarrier"):  # gloo logs each late rank; we name them ourselves
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds), wait_all_ranks=True)
+        return True
+    except RuntimeError:
+        return False
+
+
+@contextmanager
+def _stderr_without(marker: str):
+    """Hold back the lines of the C++ logger (which writes to file descriptor 2) that contain `marker`."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if marker not in line))
+            sys.stderr.flush()
+
+
+def _wait_or_stop(children: dict, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for rank, proc in children.items():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"[core] rank {rank} is still running {seconds:.0f} s after the run ended; stopping it.",
+                  file=sys.stderr, flush=True)
+    _stop(children, grace=2)
 
 
 def watch_parent() -> None:

@@ -82,7 +82,8 @@ def _stack(dataset) -> torch.Tensor:
 def frechet_distance(classifier: Classifier, real: torch.Tensor, fake: torch.Tensor) -> float:
     from torchmetrics.image.fid import FrechetInceptionDistance
 
-    fid = FrechetInceptionDistance(feature=classifier, normalize=True)
+    # rank 0 scores alone: no synchronisation with ranks that may have finished already
+    fid = FrechetInceptionDistance(feature=classifier, normalize=True, sync_on_compute=False)
     for chunk in real.split(256):
         fid.update(chunk.float(), real=True)
     for chunk in fake.split(256):

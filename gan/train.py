@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common.config import cli
-from common.run import (Preemption, RunDir, batches, check_finite, check_resume_config, check_weights, resume_path,
-                        step_generator, write_config)
+from common.run import (RunDir, StopRequests, batches, check_resume_config, check_weights, resume_path, step_generator,
+                        write_config)
 from core import Fabric
 from core.cli import FabricFlags
 from gan.config import Config
@@ -26,12 +26,13 @@ from gan.report import finish, save_samples
 def main(config: Config) -> dict:
     fabric = Fabric(**config.fabric_options())
     fabric.launch()
-    rank, device = fabric.global_rank, fabric.device
+    rank, world_size, device = fabric.global_rank, fabric.world_size, fabric.device
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out or config.resume, "gan", write=rank == 0)
+    run = RunDir(config.out or config.resume, "gan", write=rank == 0, broadcast=fabric.broadcast)
 
     dataset = load_images(config.dataset, config.data_root, config.image_size, download=config.download)
-    loader = fabric.setup_dataloaders(make_loader(dataset, config.batch_size, config.seed, config.num_workers))
+    loader = make_loader(dataset, config.batch_size, config.seed, config.num_workers, rank, world_size)
+    loader = fabric.setup_dataloaders(loader)
 
     channels = CHANNELS[config.dataset]
     generator = Generator(config.nz, config.ngf, channels, config.image_size)
@@ -52,11 +53,11 @@ def main(config: Config) -> dict:
     write_config(run, config)
 
     fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(1)).to(device)
-    preemption = Preemption()
+    stop = StopRequests(device, fabric.all_reduce)  # signals and NaNs, all ranks together
     started = time.time()
     progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="gan")
     for step, (real, _) in batches(loader, state["step"]):
-        if step >= config.max_steps or preemption.requested:
+        if step >= config.max_steps:
             break
         noise = torch.randn(real.size(0), config.nz, 1, 1, generator=step_generator(config.seed, rank, step))
         noise = noise.to(device)
@@ -80,11 +81,14 @@ def main(config: Config) -> dict:
 
         state["step"] = step + 1
         progress.update()
-        if state["step"] % config.log_every == 0 or state["step"] == config.max_steps:
-            check_finite(loss_d + loss_g, step, run.checkpoint)
+        log = state["step"] % config.log_every == 0 or state["step"] == config.max_steps
+        stopping = stop.check(step, loss_d + loss_g if log else None, run.checkpoint)
+        if log:
             run.log({"step": state["step"], "loss_d": loss_d.item(), "loss_g": loss_g.item(),
                      "d_real": torch.sigmoid(logits_real).mean().item(),
                      "d_fake": torch.sigmoid(logits_fake).mean().item()})
+        if stopping:
+            break
         if state["step"] % config.sample_every == 0:
             with torch.no_grad():
                 save_samples(run, generator(fixed_noise), state["step"])
@@ -94,8 +98,8 @@ def main(config: Config) -> dict:
     progress.close()
     check_weights(state, state["step"], run.checkpoint)
     fabric.save(run.checkpoint, state)
-    if preemption.requested:
-        return preemption.report(run, state["step"])
+    if stop.reason:
+        return stop.report(run, state["step"])
 
     generator.eval()
     with torch.no_grad():

@@ -15,8 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from common.config import cli
-from common.run import (Preemption, RunDir, batches, check_finite, check_resume_config, check_weights, resume_path,
-                        step_generator, write_config)
+from common.run import (RunDir, StopRequests, batches, check_resume_config, check_weights, resume_path, step_generator,
+                        write_config)
 from common.run import load_plain
 from gan.config import Config
 from gan.data import CHANNELS, load_images, make_loader
@@ -55,11 +55,11 @@ def main(config: Config) -> dict:
     write_config(run, config)
 
     fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(1)).to(device)
-    preemption = Preemption()
+    stop = StopRequests(device, dist.all_reduce if world_size > 1 else None)  # signals and NaNs, all ranks together
     started = time.time()
     progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="gan")
     for step, (real, _) in batches(loader, state["step"]):
-        if step >= config.max_steps or preemption.requested:
+        if step >= config.max_steps:
             break
         real = real.to(device)
         noise = torch.randn(real.size(0), config.nz, 1, 1, generator=step_generator(config.seed, rank, step))
@@ -83,11 +83,14 @@ def main(config: Config) -> dict:
 
         state["step"] = step + 1
         progress.update()
-        if state["step"] % config.log_every == 0 or state["step"] == config.max_steps:
-            check_finite(loss_d + loss_g, step, run.checkpoint)
+        log = state["step"] % config.log_every == 0 or state["step"] == config.max_steps
+        stopping = stop.check(step, loss_d + loss_g if log else None, run.checkpoint)
+        if log:
             run.log({"step": state["step"], "loss_d": loss_d.item(), "loss_g": loss_g.item(),
                      "d_real": torch.sigmoid(logits_real).mean().item(),
                      "d_fake": torch.sigmoid(logits_fake).mean().item()})
+        if stopping:
+            break
         if state["step"] % config.sample_every == 0:
             with torch.no_grad():
                 save_samples(run, generator(fixed_noise), state["step"])
@@ -97,8 +100,8 @@ def main(config: Config) -> dict:
     progress.close()
     check_weights(state, state["step"], run.checkpoint)
     run.save_plain(state)
-    if preemption.requested:
-        return preemption.report(run, state["step"])
+    if stop.reason:
+        return stop.report(run, state["step"])
 
     generator.eval()
     with torch.no_grad():

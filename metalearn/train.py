@@ -11,8 +11,8 @@ import torch
 from tqdm import tqdm
 
 from common.config import cli
-from common.run import (Preemption, RunDir, check_finite, check_resume_config, check_weights, resume_path,
-                        step_generator, write_config)
+from common.run import (RunDir, StopRequests, check_resume_config, check_weights, resume_path, step_generator,
+                        write_config)
 from core import Fabric
 from core.cli import FabricFlags
 from metalearn.config import Config
@@ -27,7 +27,7 @@ def main(config: Config) -> dict:
     fabric.launch()
     rank, world_size, device = fabric.global_rank, fabric.world_size, fabric.device
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out or config.resume, "metalearn", write=rank == 0)
+    run = RunDir(config.out or config.resume, "metalearn", write=rank == 0, broadcast=fabric.broadcast)
 
     tasks = make_tasks(config.dataset, config.ways, True, config.data_root, config.download)
     test_tasks = make_tasks(config.dataset, config.ways, False, config.data_root, config.download)
@@ -46,12 +46,10 @@ def main(config: Config) -> dict:
         run.truncate_metrics(state["step"])
     write_config(run, config)
 
-    preemption = Preemption()
+    stop = StopRequests(device, fabric.all_reduce)  # signals and NaNs, all ranks together
     started = time.time()
     progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="metalearn")
     for step in range(state["step"], config.max_steps):
-        if preemption.requested:
-            break
         # every rank draws the whole meta-batch from (seed, step) and keeps its own share of the tasks
         generator = step_generator(config.seed, 0, step)
         meta_batch = tasks.sample(config.batch_size, config.shots, config.queries, generator)
@@ -66,17 +64,20 @@ def main(config: Config) -> dict:
 
         state["step"] = step + 1
         progress.update()
-        if state["step"] % config.log_every == 0 or state["step"] == config.max_steps:
-            check_finite(loss, step, run.checkpoint)
+        log = state["step"] % config.log_every == 0 or state["step"] == config.max_steps
+        stopping = stop.check(step, loss if log else None, run.checkpoint)
+        if log:
             run.log({"step": state["step"], "loss": loss.item()})
+        if stopping:
+            break
         if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
             check_weights(state, state["step"], run.checkpoint)
             fabric.save(run.checkpoint, state)
     progress.close()
     check_weights(state, state["step"], run.checkpoint)
     fabric.save(run.checkpoint, state)
-    if preemption.requested:
-        return preemption.report(run, state["step"])
+    if stop.reason:
+        return stop.report(run, state["step"])
 
     results = evaluate(learner.evaluate, test_tasks, config, device)
     summary = finish(run, config, results, started, state["step"])

@@ -14,8 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from common.config import cli
-from common.run import (Preemption, RunDir, check_finite, check_resume_config, check_weights, resume_path,
-                        step_generator, write_config)
+from common.run import (RunDir, StopRequests, check_resume_config, check_weights, resume_path, step_generator,
+                        write_config)
 from common.run import load_plain
 from metalearn.config import Config
 from metalearn.data import make_tasks
@@ -49,12 +49,10 @@ def main(config: Config) -> dict:
         run.truncate_metrics(state["step"])
     write_config(run, config)
 
-    preemption = Preemption()
+    stop = StopRequests(device, dist.all_reduce if world_size > 1 else None)  # signals and NaNs, all ranks together
     started = time.time()
     progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="metalearn")
     for step in range(state["step"], config.max_steps):
-        if preemption.requested:
-            break
         # every rank draws the whole meta-batch from (seed, step) and keeps its own share of the tasks
         generator = step_generator(config.seed, 0, step)
         meta_batch = tasks.sample(config.batch_size, config.shots, config.queries, generator)
@@ -68,17 +66,20 @@ def main(config: Config) -> dict:
 
         state["step"] = step + 1
         progress.update()
-        if state["step"] % config.log_every == 0 or state["step"] == config.max_steps:
-            check_finite(loss, step, run.checkpoint)
+        log = state["step"] % config.log_every == 0 or state["step"] == config.max_steps
+        stopping = stop.check(step, loss if log else None, run.checkpoint)
+        if log:
             run.log({"step": state["step"], "loss": loss.item()})
+        if stopping:
+            break
         if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
             check_weights(state, state["step"], run.checkpoint)
             run.save_plain(state)
     progress.close()
     check_weights(state, state["step"], run.checkpoint)
     run.save_plain(state)
-    if preemption.requested:
-        return preemption.report(run, state["step"])
+    if stop.reason:
+        return stop.report(run, state["step"])
 
     results = evaluate(getattr(learner, "module", learner).evaluate, test_tasks, config, device)
     summary = finish(run, config, results, started, state["step"])
