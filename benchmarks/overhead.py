@@ -66,7 +66,52 @@ def measure(blocks: int = 30, steps: int = 200) -> dict:
         ratios = [v / p for v, p in zip(values, samples["plain"])]  # block by block: same moment, same machine
         rows.append({"variant": name, "us_per_step": spread(values), "ratio": spread(ratios),
                      "overhead_us": statistics.median(values) - plain})
-    return {"rows": rows, "import": import_times()}
+    return {"rows": rows, "import": import_times(), "stop_check": stop_check_cost()}
+
+
+def stop_check_cost(steps: int = 2000) -> dict:
+    """What the loops' per-step stop decision (common.run.StopRequests.check) costs: on one process (no
+    reduction), and on 2 gloo processes of 1 thread (one all-reduce of 3 numbers through fabric.all_reduce)."""
+    import torch.multiprocessing as mp
+
+    from common.run import StopRequests
+
+    stop, loss = StopRequests(), torch.tensor(1.0)
+    one = _time_checks(stop, loss, steps)
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_stop_check_rank, args=(steps, queue), nprocs=2, start_method="spawn")
+    return {"one_process_us": one, "two_processes_us": queue.get()}
+
+
+def _time_checks(stop, loss, steps: int) -> dict:
+    samples = []
+    for block in range(11):
+        start = time.perf_counter()
+        for step in range(steps // 10):
+            stop.check(step, loss if step % 50 == 0 else None, ROOT / "no.ckpt")
+        if block:  # the first block warms up
+            samples.append((time.perf_counter() - start) / (steps // 10) * 1e6)
+    return spread(samples)
+
+
+def _stop_check_rank(rank: int, steps: int, queue) -> None:
+    import os
+
+    from common.run import StopRequests
+    from core import Fabric
+    from core.launcher import cluster_environment
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29577", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      RANK=str(rank), LOCAL_RANK=str(rank))
+    fabric = Fabric(accelerator="cpu", strategy="ddp", devices=2)
+    fabric._start_distributed(cluster_environment())
+    result = _time_checks(StopRequests(fabric.device, fabric.all_reduce), torch.tensor(1.0), steps)
+    if rank == 0:
+        queue.put(result)
+    fabric.barrier()
+    fabric.strategy.teardown()
+    os._exit(0)
 
 
 def import_times(repeats: int = 7) -> dict:

@@ -36,8 +36,13 @@ def run_overhead(quick: bool) -> str:
                 table(["variant", "us/step", "ratio to plain", "overhead us", "<= 1.03"], rows) +
                 f"\n`import core` {imports['core_s']['median']:.2f} s vs `import torch` "
                 f"{imports['torch_s']['median']:.2f} s: ratio {imports['ratio']:.3f} (target <= 1.10: "
-                f"{_mark(imports['ratio'] <= 1.10)})\n")
-    write("overhead", {"blocks": 15 if quick else 40, "steps_per_block": 200}, result["rows"] + [imports], markdown)
+                f"{_mark(imports['ratio'] <= 1.10)})\n\n"
+                f"The loops' stop decision per step (signals, and every 50 steps the loss): "
+                f"{result['stop_check']['one_process_us']['median']:.1f} us on one process, "
+                f"{result['stop_check']['two_processes_us']['median']:.1f} us on 2 gloo processes "
+                f"(one all-reduce).\n")
+    write("overhead", {"blocks": 15 if quick else 40, "steps_per_block": 200}, result["rows"] + [imports, result["stop_check"]],
+          markdown)
     return markdown
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BUDGETS = {"gan": 50, "autoencoder": 40, "metalearn": 40}  # changed lines, comments and blanks stripped
+BUDGETS = {"gan": 55, "autoencoder": 45, "metalearn": 45}  # changed lines, comments and blanks stripped
 
 
 def code_lines(path: Path) -> list[str]:

@@ -1,0 +1,266 @@
+"""Multi-process runs end together: every command the READMEs show finishes on the default data, and
+every way a run can stop (SIGTERM, Ctrl-C, an error one rank sees, a NaN on one rank) ends all ranks
+within seconds, with one checkpoint at one step that `--resume` continues from."""
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.run import StopRequests
+from core.checkpoint import load_checkpoint
+from tests.conftest import ROOT, run
+
+READMES = [ROOT / "README.md", *sorted(ROOT.glob("*/README.md"))]
+WORKLOADS = ("gan", "autoencoder", "metalearn")
+EMBEDDED = {"digits", "sinusoid", "fake"}  # datasets that need no files
+
+
+def readme_commands() -> list[tuple[str, str]]:
+    """(file, command) for every command line in a ```bash block of the README and the workload READMEs,
+    each `a && b` split in two, comments dropped, duplicates once."""
+    found = {}
+    for readme in READMES:
+        for block in re.findall(r"```bash\n(.*?)```", readme.read_text(), re.S):
+            for line in block.splitlines():
+                line = line.split("  #")[0].strip()
+                for command in filter(None, (part.strip() for part in line.split("&&"))):
+                    found.setdefault(command, readme.relative_to(ROOT).as_posix())
+    return [(where, command) for command, where in found.items()]
+
+
+def why_not_run(command: str) -> str | None:
+    """None for a command this test runs; else the reason it cannot run here."""
+    words = shlex.split(command)
+    if words[0] == "pip":
+        return "an install command: CI's own set-up runs it"
+    if words[:3] == ["python", "-m", "pytest"]:
+        return "the test command itself"
+    if "benchmarks" in command:
+        return "a benchmark: it measures minutes of training; tests/test_benchmarks.py covers its harness"
+    if "--dataset" in words and words[words.index("--dataset") + 1] not in EMBEDDED:
+        return f"needs the {words[words.index('--dataset') + 1]} files, which cannot be downloaded here"
+    return None
+
+
+def test_the_readmes_show_commands_of_every_workload():
+    commands = " ".join(command for _, command in readme_commands())
+    for workload in WORKLOADS:
+        assert f"-m {workload}.train" in commands
+    assert "torchrun" in commands and "--strategy ddp --devices 2" in commands
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("where, command", readme_commands(), ids=[c for _, c in readme_commands()])
+def test_every_readme_command_runs(tmp_path, where, command):
+    reason = why_not_run(command)
+    if reason:
+        pytest.skip(f"{where}: {reason}")
+    words = shlex.split(command)
+    if words[0] == "sdiff":
+        result = subprocess.run(words, cwd=ROOT, capture_output=True, text=True, timeout=30)
+        assert result.returncode in (0, 1) and "fabric" in result.stdout, result.stderr  # 1: the files differ
+        return
+    if words[0] == "torchrun":
+        words = [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+    elif words[0] == "python":
+        words = [sys.executable, *words[1:]]
+    words += ["--max-steps", "3", "--out", str(tmp_path / "run")]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(words, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, f"{where}: {command}\n{result.stderr[-4000:]}"
+    assert "Traceback" not in result.stderr, result.stderr[-4000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 3
+    metrics = {key: value for key, value in summary.items() if isinstance(value, float) and "seconds" not in key
+               and not key.startswith("peak")}
+    assert metrics and all(value == value for value in metrics.values()), summary  # scored, no NaN
+
+
+# --- stopping a run on 2 processes -------------------------------------------------------------------
+
+def start(out: Path, *args: str, max_steps: int = 5000) -> subprocess.Popen:
+    """The autoencoder on its default data (digits) on 2 processes; long enough to be stopped mid-run."""
+    command = [sys.executable, "-m", "autoencoder.train", "--devices", "2", "--max-steps", str(max_steps),
+               "--log-every", "10", "--out", str(out), *args]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_for_training(out: Path, process: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not (out / "metrics.jsonl").exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy, signum, target", [
+    ("ddp", signal.SIGTERM, "rank 0"), ("ddp", signal.SIGTERM, "rank 1"),
+    ("ddp", signal.SIGINT, "rank 0"), ("ddp", signal.SIGINT, "rank 1"),
+    ("fsdp", signal.SIGTERM, "rank 1"), ("fsdp", signal.SIGINT, "rank 0"),
+    ("deepspeed_stage_2", signal.SIGTERM, "rank 0"), ("deepspeed_stage_2", signal.SIGINT, "rank 1")])
+def test_a_signal_to_one_rank_stops_every_rank_at_one_step(tmp_path, strategy, signum, target):
+    if strategy.startswith("deepspeed"):
+        pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+    out = tmp_path / "run"
+    process = start(out, "--strategy", strategy)
+    wait_for_training(out, process)
+    ranks = [process.pid, *children_of(process.pid)]
+    assert len(ranks) == 2
+    os.kill(ranks[0] if target == "rank 0" else ranks[1], signum)
+    started = time.monotonic()
+    stdout, stderr = process.communicate(timeout=60)
+    assert time.monotonic() - started < 30
+    assert process.returncode == (130 if signum == signal.SIGINT else 0), stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert not any(alive(pid) for pid in ranks), "a rank was left behind"
+    name = signal.Signals(signum).name
+    step = int(re.search(rf"Stopped by {name} at step (\d+);", stdout).group(1))
+    saved = out / "checkpoints" / "last.ckpt"
+    assert 0 < step < 5000
+    assert load_checkpoint(saved / "state.pt" if saved.is_dir() else saved)["step"] == step  # deepspeed: a folder
+    assert not (out / "summary.json").exists()  # stopped, not finished
+
+    resumed = run(["-m", "autoencoder.train", "--devices", "2", "--strategy", strategy, "--max-steps",
+                   str(step + 5), "--log-every", "10", "--resume", str(out)], timeout=300)
+    assert "Traceback" not in resumed.stderr
+    assert json.loads((out / "summary.json").read_text())["steps"] == step + 5
+
+
+@pytest.mark.multiprocess
+def test_an_error_only_rank_0_sees_ends_every_rank_with_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    started = time.monotonic()
+    process = start(tmp_path / "a_file" / "run", "--strategy", "ddp")
+    _, stderr = process.communicate(timeout=60)
+    assert time.monotonic() - started < 20
+    assert process.returncode == 2
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert errors == [f"python -m autoencoder.train: error: cannot write to the run directory "
+                      f"{tmp_path / 'a_file' / 'run'} (Not a directory); pass a writable --out"], stderr
+    time.sleep(0.5)
+    assert not children_of(process.pid)
+
+
+NAN_ON_RANK_1 = """
+import os
+import torch.nn.functional as F
+
+if os.environ.get("RANK") == "1":  # rank 1's loss turns NaN at its 25th step; rank 0 never sees one itself
+    mse_loss, calls = F.mse_loss, [0]
+
+    def poisoned(*args, **kwargs):
+        calls[0] += 1
+        loss = mse_loss(*args, **kwargs)
+        return loss * float("nan") if calls[0] == 25 else loss
+
+    F.mse_loss = poisoned
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_nan_on_one_rank_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(NAN_ON_RANK_1)
+    environment = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hook'}:{ROOT}", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "autoencoder.train", "--strategy", "ddp", "--devices", "2", "--max-steps",
+               "100", "--log-every", "1", "--checkpoint-every", "20", "--out", str(tmp_path / "run")]
+    result = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert "the loss is not finite at step 24" in result.stderr
+    state = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert state["step"] == 20
+    assert all(torch.isfinite(value).all() for value in state["model"].values())
+
+
+@pytest.mark.multiprocess
+def test_a_batch_larger_than_each_rank_share_is_one_line(tmp_path):
+    result = run(["-m", "autoencoder.train", "--strategy", "ddp", "--devices", "2", "--batch-size", "200",
+                  "--dataset", "fake", "--out", str(tmp_path / "run")], check=False, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "--batch-size 200 x 2 process(es) is more than the" in result.stderr
+
+
+# --- the stop decision itself ------------------------------------------------------------------------
+
+def test_a_stop_asked_on_another_rank_stops_this_one(tmp_path):
+    def another_rank_asked(flags):  # what a reduction returns when rank 1 received SIGTERM
+        return flags + torch.tensor([1.0, 0.0, 0.0])
+
+    stop = StopRequests(reduce=another_rank_asked)
+    assert stop.check(7, torch.tensor(1.0), tmp_path / "last.ckpt") and stop.reason == "SIGTERM"
+    alone = StopRequests()
+    assert not alone.check(7, torch.tensor(1.0), tmp_path / "last.ckpt") and alone.reason is None
+
+
+def test_a_nan_on_another_rank_raises_on_this_one(tmp_path):
+    stop = StopRequests(reduce=lambda flags: flags + torch.tensor([0.0, 0.0, 1.0]))
+    with pytest.raises(FloatingPointError, match="not finite at step 3 .on another process."):
+        stop.check(3, torch.tensor(1.0), tmp_path / "last.ckpt")
+
+
+SECOND_CTRL_C = """
+import os, signal, time
+from common.run import StopRequests
+stop = StopRequests()
+os.kill(os.getpid(), signal.SIGINT)
+assert stop.signals[signal.SIGINT] == 1  # the first one only asks
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(5)
+print("not reached")
+"""
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback():
+    result = run(["-c", SECOND_CTRL_C], check=False, timeout=30)
+    assert result.returncode == 130
+    assert "not reached" not in result.stdout and "Traceback" not in result.stderr
+    assert result.stderr.strip() == "Interrupted twice: stopping now, without a checkpoint of this step."
+
+
+def test_ctrl_c_before_training_is_one_line(monkeypatch, capsys):
+    from common.config import RunConfig, cli
+
+    def main(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "argv", ["prog"])
+    with pytest.raises(SystemExit) as exit_:
+        cli(main, RunConfig, prog="python -m gan.train")
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err == "python -m gan.train: interrupted before training started; nothing was saved\n"
