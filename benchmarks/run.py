@@ -41,8 +41,8 @@ def run_overhead(quick: bool) -> str:
                 f"{result['stop_check']['one_process_us']['median']:.1f} us on one process, "
                 f"{result['stop_check']['two_processes_us']['median']:.1f} us on 2 gloo processes "
                 f"(one all-reduce).\n")
-    write("overhead", {"blocks": 15 if quick else 40, "steps_per_block": 200}, result["rows"] + [imports, result["stop_check"]],
-          markdown)
+    write("overhead", {"blocks": 15 if quick else 40, "steps_per_block": 200},
+          result["rows"] + [imports, result["stop_check"]], markdown)
     return markdown
 
 
