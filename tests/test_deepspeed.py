@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from core import Fabric
 from core.checkpoint import load_checkpoint
