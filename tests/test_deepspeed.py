@@ -75,6 +75,18 @@ def test_clip_gradients_says_what_to_set():
         fabric.strategy.clip_gradients(None, None, max_norm=0.5)
 
 
+def test_resume_takes_a_run_directory_or_a_checkpoint_directory(tmp_path):
+    from common.run import resume_path
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"  # what DeepSpeed's fabric.save writes
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "state.pt").write_bytes(b"")
+    assert resume_path(str(tmp_path / "run")) == checkpoint
+    assert resume_path(str(checkpoint)) == checkpoint
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        resume_path(str(tmp_path / "elsewhere"))
+
+
 # --- one process ---------------------------------------------------------------------------------
 ONE_PROCESS = """
 import importlib, sys
