@@ -109,11 +109,11 @@ class RunDir:
 
 
 def resume_path(resume: str) -> Path:
-    """`--resume` takes a run directory or a checkpoint file."""
+    """`--resume` takes a run directory or a checkpoint: a file, or a directory (DeepSpeed writes those)."""
     path = Path(resume)
-    if path.is_dir():
+    if (path / "checkpoints").is_dir():
         path = path / "checkpoints" / "last.ckpt"
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"--resume {resume}: no checkpoint at {path}")
     return path
 
@@ -214,7 +214,10 @@ def check_weights(state: dict, step: int, checkpoint: Path) -> None:
     process's shard of them, under a sharding strategy: the other processes then stop with it)."""
     for name, value in state.items():
         for param in getattr(value, "parameters", lambda: ())():
-            local = param.to_local() if hasattr(param, "to_local") else param
+            if hasattr(param, "ds_tensor"):  # ZeRO-3: `param` is an empty placeholder; the shard is ds_tensor
+                local = param.ds_tensor
+            else:
+                local = param.to_local() if hasattr(param, "to_local") else param
             if not bool(local.detach().isfinite().all()):
                 raise FloatingPointError(f"{name} has non-finite weights after step {step}; stopping without "
                                          f"saving. {_last_good(checkpoint)}")

@@ -6,16 +6,23 @@ has two; a wrapped optimizer steps its own engine, and `fabric.backward(loss)` f
 from the loss's graph (or `model=`). DeepSpeed does its own loss scaling and bf16/fp16 conversion,
 so core's autocast and GradScaler stay off under this strategy.
 
+The config core builds changes nothing in the math of a step: DeepSpeed's gradient clipping (its
+default is 1.0) is off unless the config sets it, and the offload modes step the user's own optimizer
+on the CPU copy of the weights instead of insisting on DeepSpeed's CPUAdam. The strategy's name gives
+the ZeRO stage and offload; a user config may add to them but not contradict them.
+
 A checkpoint is a directory: one DeepSpeed checkpoint per engine (tag = the key in `state`), plus
 `state.pt` for the plain values. It is written to a temporary directory and renamed into place.
-DeepSpeed's own files are pickles of more than tensors: before DeepSpeed reads them, each is opened
+DeepSpeed's own files are pickles of more than tensors: each file DeepSpeed reads on this rank is read
 with `weights_only=True` and a short list of allowed DeepSpeed and Python types, so a file carrying
 anything else is refused unread. A ZeRO checkpoint resumes on the same number of processes only.
 """
 import copy
 import json
 import os
+import pickle
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -36,6 +43,7 @@ class DeepSpeed(DDP):
 
     def __init__(self, device, precision, name: str = "deepspeed", config=None):
         super().__init__(device, precision)
+        self.name = name
         self.stage = _STAGES[name]
         self.offload = name.endswith("_offload")
         if isinstance(config, (str, os.PathLike)):
@@ -51,17 +59,23 @@ class DeepSpeed(DDP):
         precision.autocast = False  # the engine converts the module to bf16/fp16
         if precision.precision != "32-true":
             precision.input_dtype = precision.dtype
+        self.config()  # refuse a config that contradicts the strategy's name now, not at setup
 
     def config(self) -> dict:
-        if self.user_config is not None:
-            config = copy.deepcopy(self.user_config)
-        else:
-            zero = {"stage": self.stage}
-            if self.offload:
-                zero["offload_optimizer"] = {"device": "cpu"}
-                if self.stage == 3:
-                    zero["offload_param"] = {"device": "cpu"}
-            config = {"zero_optimization": zero}
+        config = copy.deepcopy(self.user_config) if self.user_config is not None else {}
+        zero = config.setdefault("zero_optimization", {})
+        if self.name != "deepspeed" and zero.get("stage", self.stage) != self.stage:
+            raise ValueError(f"strategy={self.name!r} is ZeRO stage {self.stage}, but the DeepSpeed config sets "
+                             f"stage {zero['stage']}. Drop the stage from the config, or use strategy='deepspeed' "
+                             f"to take it from the config.")
+        zero.setdefault("stage", self.stage)
+        if self.offload:
+            zero.setdefault("offload_optimizer", {"device": "cpu"})
+            if self.stage == 3:
+                zero.setdefault("offload_param", {"device": "cpu"})
+        config.setdefault("gradient_clipping", 0.0)  # DeepSpeed's default, 1.0, clips every gradient to norm 1
+        # offload steps the user's optimizer on the CPU weights; DeepSpeed would refuse any but its CPUAdam
+        config.setdefault("zero_force_ds_cpu_optimizer", False)
         config.setdefault("train_micro_batch_size_per_gpu", 1)  # batches are ours; this only feeds its logs
         config.setdefault("gradient_accumulation_steps", 1)
         config.setdefault("zero_allow_untested_optimizer", True)
@@ -74,6 +88,8 @@ class DeepSpeed(DDP):
 
     def setup_environment(self, env: dict) -> None:
         super().setup_environment(env)
+        # the engine reads LOCAL_RANK; launchers set it, but one process started alone has none
+        os.environ.setdefault("LOCAL_RANK", str(self.local_rank))
         import deepspeed
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
                                    auto_mpi_discovery=False, verbose=False)
@@ -89,6 +105,10 @@ class DeepSpeed(DDP):
                              "or put the parameters in one optimizer as param groups.")
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizers[0] if optimizers else None,
                                                config=self.config(), dist_init_required=False)
+        if optimizers and engine.optimizer is not optimizers[0]:
+            # ZeRO now steps the optimizer on its flat fp32 partitions, so the optimizer's own zero_grad would
+            # clear their gradient buffers (which offload keeps between steps) instead of the module's gradients
+            optimizers[0].zero_grad = engine.optimizer.zero_grad
         return engine, optimizers
 
     def backward(self, loss, module, *args, **kwargs) -> None:
@@ -107,8 +127,11 @@ class DeepSpeed(DDP):
                            "in the DeepSpeed config and call backward and step every micro-batch instead.")
 
     def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0):
-        raise RuntimeError("With DeepSpeed, set gradient clipping in its config ({'gradient_clipping': 1.0}) "
-                           "instead of calling fabric.clip_gradients.")
+        # ZeRO moves gradients into its partitions during backward and clips them inside engine.step
+        raise RuntimeError(f"DeepSpeed clips gradients inside its engine's step, so fabric.clip_gradients cannot "
+                           f"run between backward and step. Ask the engine instead: Fabric(strategy={self.name!r}, "
+                           f"config={{'gradient_clipping': {max_norm}}}) clips the 2-norm of each model's gradients "
+                           f"to {max_norm} at every step.")
 
     # --- checkpoints ------------------------------------------------------------------------------
     def module_state(self, wrapped):
@@ -147,15 +170,21 @@ class DeepSpeed(DDP):
         if not (path / "state.pt").is_file():
             raise checkpoint.CheckpointError(f"{path} is not a DeepSpeed checkpoint directory written by "
                                              f"Fabric.save (no state.pt inside).")
-        _check_files_are_safe(path)
         return checkpoint.load_checkpoint(path / "state.pt")
 
     def load_module_state(self, wrapped, state: dict, strict: bool, key: str, path) -> None:
+        from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
         if not isinstance(state, dict) or "deepspeed_tag" not in state:
             raise checkpoint.CheckpointError(f"The checkpoint's {key!r} was not saved by a DeepSpeed engine.")
-        loaded, _ = wrapped._forward_module.load_checkpoint(str(path), tag=state["deepspeed_tag"],
-                                                            load_module_strict=strict, load_optimizer_states=True,
-                                                            load_lr_scheduler_states=False)
+        engine = wrapped._forward_module
+        try:
+            with _safe_loads(engine.checkpoint_engine):
+                loaded, _ = engine.load_checkpoint(str(path), tag=state["deepspeed_tag"], load_module_strict=strict,
+                                                   load_optimizer_states=True, load_lr_scheduler_states=False)
+        except ZeRORuntimeException as error:  # e.g. saved by another number of processes
+            raise checkpoint.CheckpointError(f"DeepSpeed cannot load {key!r} from {path}: {error} Resume with the "
+                                             f"strategy and --devices of the run that saved it.") from None
         if loaded is None:
             raise checkpoint.CheckpointError(f"DeepSpeed could not load {key!r} from {path}.")
 
@@ -163,21 +192,31 @@ class DeepSpeed(DDP):
         pass  # restored with its engine
 
 
-def _check_files_are_safe(path: Path) -> None:
-    """Open every DeepSpeed file of the checkpoint with weights_only=True and a few allowed types."""
+@contextmanager
+def _safe_loads(checkpoint_engine):
+    """Within: every file DeepSpeed reads through this engine's checkpoint engine (the files of this rank,
+    each once) is read with weights_only=True and a few allowed DeepSpeed and Python types."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
     allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, set, frozenset, slice,
                torch.Size]
-    for file in sorted(path.rglob("*.pt")):
-        if file.name == "state.pt":
-            continue
+
+    def load(file, map_location=None):
         try:
             with torch.serialization.safe_globals(allowed):
-                torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as error:
+                return torch.load(file, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as error:
             raise checkpoint.CheckpointError(f"{file} holds objects outside the allowed tensor and DeepSpeed "
-                                             f"types, so it was refused before DeepSpeed read it: "
+                                             f"types, so it was refused unread: "
                                              f"{str(error).splitlines()[0][:200]}") from None
+        except (RuntimeError, EOFError, OSError) as error:
+            raise checkpoint.CheckpointError(f"{file} is not readable ({str(error).splitlines()[0][:200]}). "
+                                             f"Resume from an earlier checkpoint.") from None
+
+    checkpoint_engine.load = load  # shadows the class's load, which unpickles anything
+    try:
+        yield
+    finally:
+        del checkpoint_engine.load

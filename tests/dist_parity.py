@@ -2,8 +2,10 @@
 processes, and compare rank 0's gathered weights with one plain process trained on the full batch.
 
     python tests/dist_parity.py --strategy ddp --devices 2 --out result.json
+    python tests/dist_parity.py --strategy deepspeed_stage_1,deepspeed_stage_3 --optimizer sgd,adam --out r.json
 
-Writes {"max_abs_diff": ..., "world_size": ..., "resumed_max_abs_diff": ...} on rank 0.
+Writes {"STRATEGY/OPTIMIZER": {"max_abs_diff": ..., "world_size": ..., "resumed_max_abs_diff": ...}} on rank 0,
+one entry per case; all cases run in the same processes.
 """
 import argparse
 import json
@@ -23,7 +25,8 @@ def make_model():
 
 def make_data():
     g = torch.Generator().manual_seed(1)
-    return torch.randn(16, 4, generator=g), torch.randn(16, 2, generator=g)
+    # targets of scale 4: the first gradient's norm is 2.3, so clipping to norm 1 (DeepSpeed's default) would show
+    return torch.randn(16, 4, generator=g), 4 * torch.randn(16, 2, generator=g)
 
 
 def make_optimizer(params, name):
@@ -70,25 +73,17 @@ def max_diff(a, b):
     return max((a[k].float().cpu() - b[k].float().cpu()).abs().max().item() for k in b)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", default="ddp")
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--num-nodes", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--optimizer", default="adam")
-    parser.add_argument("--split-setup", action="store_true", help="setup_module, then setup_optimizers")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-
-    fabric = Fabric(accelerator="cpu", strategy=args.strategy, devices=args.devices, num_nodes=args.num_nodes)
-    fabric.launch()
+def check(args, strategy, optimizer_name):
+    """One case: N steps on this rank's part of the batch, then save -> load -> continue. Returns
+    (result, whether this process is rank 0)."""
+    fabric = Fabric(accelerator="cpu", strategy=strategy, devices=args.devices, num_nodes=args.num_nodes)
+    fabric.launch()  # the first case starts the processes; later ones find them started
     model = make_model()
     if args.split_setup:
         model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(make_optimizer(model.parameters(), args.optimizer))
+        optimizer = fabric.setup_optimizers(make_optimizer(model.parameters(), optimizer_name))
     else:
-        model, optimizer = fabric.setup(model, make_optimizer(model.parameters(), args.optimizer))
+        model, optimizer = fabric.setup(model, make_optimizer(model.parameters(), optimizer_name))
     train(fabric, model, optimizer, args.steps)
     weights = full_weights(fabric, model)
 
@@ -99,18 +94,35 @@ def main():
         train(fabric, model, optimizer, args.steps)
         uninterrupted = full_weights(fabric, model)
         fresh = make_model()
-        fresh, fresh_optimizer = fabric.setup(fresh, make_optimizer(fresh.parameters(), args.optimizer))
+        fresh, fresh_optimizer = fabric.setup(fresh, make_optimizer(fresh.parameters(), optimizer_name))
         state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
         fabric.load(path, state)
         train(fabric, fresh, fresh_optimizer, args.steps)
         resumed = full_weights(fabric, fresh)
         fabric.barrier()
+    reference = plain(args.steps, optimizer_name)
+    return {"max_abs_diff": max_diff(weights, reference), "world_size": fabric.world_size,
+            "resumed_max_abs_diff": max_diff(resumed, uninterrupted), "step": state["step"]}, fabric.is_global_zero
 
-    if fabric.is_global_zero:
-        reference = plain(args.steps, args.optimizer)
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="ddp", help="a strategy, or several separated by commas")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--optimizer", default="adam", help="adam or sgd, or both separated by a comma")
+    parser.add_argument("--split-setup", action="store_true", help="setup_module, then setup_optimizers")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    results = {}
+    for strategy in args.strategy.split(","):
+        for name in args.optimizer.split(","):
+            results[f"{strategy}/{name}"], is_global_zero = check(args, strategy, name)
+    if is_global_zero:
         with open(args.out, "w") as f:
-            json.dump({"max_abs_diff": max_diff(weights, reference), "world_size": fabric.world_size,
-                       "resumed_max_abs_diff": max_diff(resumed, uninterrupted), "step": state["step"]}, f)
+            json.dump(results, f)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,229 @@
+"""DeepSpeed against plain PyTorch: core's config adds nothing that changes the math, every mode (ZeRO
+stages 1-3, both offloads) runs on one process and matches `single`, two processes match one on the full
+batch with SGD and Adam, the GAN under ZeRO-2 matches DDP, and a SIGKILLed run resumes exactly."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from core import Fabric
+from core.checkpoint import load_checkpoint
+from tests.conftest import ROOT, run
+
+pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+
+MODES = ("deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_2_offload",
+         "deepspeed_stage_3_offload")
+# the default dataset (embedded digits) with small models, so a run takes seconds; on the CPU, where gloo and
+# the kernels are deterministic, so that comparisons can be exact
+TINY = {"gan": ["--batch-size", "8", "--ngf", "8", "--ndf", "8", "--nz", "16", "--eval-samples", "8",
+                "--accelerator", "cpu"],
+        "autoencoder": ["--batch-size", "8", "--width", "4", "--accelerator", "cpu"]}
+
+
+def final_weights(run_dir: Path) -> dict:
+    """Every floating-point tensor of the models in a run's last checkpoint: a core checkpoint file, or a
+    DeepSpeed directory, whose ZeRO partitions DeepSpeed's zero_to_fp32 joins into full tensors."""
+    path = run_dir / "checkpoints" / "last.ckpt"
+    if path.is_file():
+        models = {key: value for key, value in load_checkpoint(path).items()
+                  if isinstance(value, dict) and "optimizer" not in key}
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        models = {tag.name: get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag.name)
+                  for tag in path.iterdir() if tag.is_dir()}
+    return {f"{key}.{name}": tensor for key, state in models.items() for name, tensor in state.items()
+            if tensor.is_floating_point()}
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and a
+    return max((a[key] - b[key]).abs().max().item() for key in a)
+
+
+# --- the config: DeepSpeed's defaults that change the math are off ----------------------------------
+@pytest.mark.parametrize("name", MODES)
+def test_config_clips_nothing_and_offload_takes_the_users_optimizer(name):
+    config = Fabric(accelerator="cpu", strategy=name, devices=1).strategy.config()
+    assert config["gradient_clipping"] == 0.0  # DeepSpeed's own default is 1.0
+    assert config["zero_optimization"]["stage"] == int(name.split("_")[2])
+    assert ("offload_optimizer" in config["zero_optimization"]) == name.endswith("offload")
+    assert config["zero_force_ds_cpu_optimizer"] is False
+
+
+def test_a_user_config_adds_to_the_strategy_name_and_may_not_contradict_it():
+    config = Fabric(accelerator="cpu", strategy="deepspeed_stage_3_offload", devices=1,
+                    config={"gradient_clipping": 0.5}).strategy.config()
+    assert config["gradient_clipping"] == 0.5
+    assert config["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                           "offload_param": {"device": "cpu"}}
+    with pytest.raises(ValueError, match="strategy='deepspeed_stage_3' is ZeRO stage 3, but the DeepSpeed config "
+                                         "sets stage 2. Drop the stage from the config, or use strategy='deepspeed'"):
+        Fabric(accelerator="cpu", strategy="deepspeed_stage_3", devices=1, config={"zero_optimization": {"stage": 2}})
+    assert Fabric(accelerator="cpu", strategy="deepspeed", devices=1, config={"zero_optimization": {"stage": 1}}) \
+        .strategy.config()["zero_optimization"]["stage"] == 1
+
+
+def test_clip_gradients_says_what_to_set():
+    fabric = Fabric(accelerator="cpu", strategy="deepspeed_stage_2", devices=1)
+    with pytest.raises(RuntimeError, match=r"Fabric\(strategy='deepspeed_stage_2', config=\{'gradient_clipping': "
+                                           r"0.5\}\) clips the 2-norm"):
+        fabric.strategy.clip_gradients(None, None, max_norm=0.5)
+
+
+def test_resume_takes_a_run_directory_or_a_checkpoint_directory(tmp_path):
+    from common.run import resume_path
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"  # what DeepSpeed's fabric.save writes
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "state.pt").write_bytes(b"")
+    assert resume_path(str(tmp_path / "run")) == checkpoint
+    assert resume_path(str(checkpoint)) == checkpoint
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        resume_path(str(tmp_path / "elsewhere"))
+
+
+# --- one process ---------------------------------------------------------------------------------
+ONE_PROCESS = """
+import importlib, sys
+from common.config import merge, parse
+from core.cli import FabricFlags
+workload, out, strategies, *flags = sys.argv[1:]
+config_class = merge(importlib.import_module(f"{workload}.config").Config, FabricFlags)
+for strategy in strategies.split(","):
+    argv = [*flags, "--strategy", strategy, "--devices", "1", "--max-steps", "3", "--out", f"{out}/{strategy}"]
+    importlib.import_module(f"{workload}.train").main(parse(config_class, argv))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", sorted(TINY))
+def test_every_mode_runs_on_one_process_and_matches_single(tmp_path, workload):
+    """--devices 1 under each DeepSpeed mode: the run finishes and its weights are those of `single`
+    (the runs share one Python process, as torchrun would give them, to pay the start-up once)."""
+    script = tmp_path / "one_process.py"
+    script.write_text(textwrap.dedent(ONE_PROCESS))
+    run([str(script), workload, str(tmp_path), ",".join(["single", *MODES]), *TINY[workload]], timeout=300)
+    single = final_weights(tmp_path / "single")
+    for mode in MODES:
+        assert max_difference(final_weights(tmp_path / mode), single) == 0.0, mode
+
+
+ZERO_3_CHECKS = """
+import json, os, pickle, sys, torch
+from pathlib import Path
+from torch import nn
+from common.run import check_weights
+from core import CheckpointError, Fabric
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {out / 'pwned'}",))
+
+out = Path(sys.argv[1])
+fabric = Fabric(accelerator="cpu", strategy="deepspeed_stage_3", devices=1)
+fabric.launch()
+model = nn.Linear(4, 2)
+model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+state = {"model": model, "optimizer": optimizer}
+result = {"placeholder": model.module.weight.numel() == 0}  # ZeRO-3 keeps the values in ds_tensor
+fabric.save(out / "ckpt", state)
+# a file of another rank is not this rank's to read; a file that is read is read with weights_only
+(out / "ckpt" / "model" / "zero_pp_rank_1_mp_rank_00_model_states.pt").write_bytes(pickle.dumps(Exploit()))
+fabric.load(out / "ckpt", state)
+(out / "ckpt" / "model" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(pickle.dumps(Exploit()))
+try:
+    fabric.load(out / "ckpt", state)
+except CheckpointError as error:
+    result["refused"] = str(error)
+check_weights(state, 1, out / "ckpt")
+model.module.weight.ds_tensor[0] = float("nan")
+try:
+    check_weights(state, 2, out / "ckpt")
+except FloatingPointError as error:
+    result["weight_check"] = str(error)
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.slow
+def test_zero_3_checkpoint_loads_and_weight_check_on_one_process(tmp_path):
+    """Each rank reads only its own files, each with weights_only; the weight check reads ZeRO-3's shards."""
+    script = tmp_path / "checks.py"
+    script.write_text(textwrap.dedent(ZERO_3_CHECKS))
+    result = json.loads(run([str(script), str(tmp_path)], timeout=120).stdout.strip().splitlines()[-1])
+    assert result["placeholder"]
+    assert "zero_pp_rank_0_mp_rank_00_model_states.pt holds objects outside the allowed" in result["refused"]
+    assert not (tmp_path / "pwned").exists()
+    assert "model has non-finite weights after step 2" in result["weight_check"]
+
+
+# --- two processes -------------------------------------------------------------------------------
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_match_one_process_on_the_full_batch(tmp_path):
+    """Every mode with SGD (where any gradient clipping shows) and Adam, in one launch; then save -> load ->
+    continue equals the uninterrupted run."""
+    out = tmp_path / "result.json"
+    run(["tests/dist_parity.py", "--strategy", ",".join(MODES), "--optimizer", "sgd,adam", "--out", str(out)],
+        timeout=300)
+    results = json.loads(out.read_text())
+    assert sorted(results) == sorted(f"{mode}/{name}" for mode in MODES for name in ("sgd", "adam"))
+    for case, result in results.items():
+        assert result["world_size"] == 2 and result["step"] == 5, case
+        assert result["max_abs_diff"] < 1e-6, case
+        assert result["resumed_max_abs_diff"] == 0.0, case
+
+
+def start(out: Path, strategy: str, steps: int) -> subprocess.Popen:
+    """A 2-process GAN run in a session of its own, so that the whole run can be killed at once."""
+    command = [sys.executable, "-m", "gan.train", *TINY["gan"], "--strategy", strategy, "--devices", "2",
+               "--max-steps", str(steps), "--log-every", "5", "--checkpoint-every", "5", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(process: subprocess.Popen) -> None:
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-5000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_gan_under_zero_2_matches_ddp_after_120_steps(tmp_path):
+    """Two models, BatchNorm, Adam, 120 steps: ZeRO-2 computes what DDP computes (bitwise on CPU/gloo)."""
+    runs = {strategy: start(tmp_path / strategy, strategy, 120) for strategy in ("ddp", "deepspeed_stage_2")}
+    for process in runs.values():
+        finish(process)
+    assert max_difference(final_weights(tmp_path / "deepspeed_stage_2"), final_weights(tmp_path / "ddp")) == 0.0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["deepspeed_stage_2", "deepspeed_stage_3"])
+def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, strategy):
+    reference, killed = start(tmp_path / "reference", strategy, 40), start(tmp_path / "killed", strategy, 40)
+    checkpoint = tmp_path / "killed" / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 240
+    while not checkpoint.exists():
+        assert killed.poll() is None, killed.communicate()[1][-5000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    time.sleep(0.3)  # somewhere in the run after its first checkpoint
+    os.killpg(killed.pid, signal.SIGKILL)  # both ranks at once, as when the machine goes down
+    killed.communicate()
+    saved = load_checkpoint(checkpoint / "state.pt")["step"]
+    assert 0 < saved < 40, "the kill did not land mid-run"
+    finish(reference)
+    run(["-m", "gan.train", *TINY["gan"], "--strategy", strategy, "--devices", "2", "--max-steps", "40",
+         "--log-every", "5", "--checkpoint-every", "5", "--resume", str(tmp_path / "killed")], timeout=300)
+    assert max_difference(final_weights(tmp_path / "killed"), final_weights(tmp_path / "reference")) < 1e-6
+    steps = [json.loads(line)["step"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 40  # each step logged once across the crash
