@@ -7,6 +7,18 @@ from torch import nn
 from core.wrappers import FabricModule, FabricOptimizer
 
 
+def check_installed(strategy: str) -> None:
+    """DeepSpeed is an optional extra: when it is missing, say so once, before any process is started."""
+    if not strategy.startswith("deepspeed"):
+        return
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as error:
+        raise ModuleNotFoundError(f"strategy {strategy!r} needs DeepSpeed, which cannot be imported ({error}); "
+                                  f"install it with pip install -e '.[deepspeed]', or choose ddp or fsdp",
+                                  name="deepspeed") from None
+
+
 def check_devices(devices, kind: str, env: dict | None) -> int:
     available = torch.cuda.device_count() if kind == "cuda" else (os.cpu_count() or 1)
     if devices == "auto":

@@ -4,11 +4,23 @@ import os
 import subprocess
 import sys
 import textwrap
+import urllib.error
+import urllib.request
 
 import pytest
 
-from core import launcher
-from tests.conftest import ROOT
+import gan.train
+import metalearn.train
+from common.config import merge, parse
+from common.run import RunDir
+from core import Fabric, launcher
+from core.cli import FabricFlags
+from gan import train_torch
+from gan.config import Config
+from gan.data import DownloadFailed, load_images
+from metalearn.config import Config as MetaConfig
+from metalearn.data import make_tasks
+from tests.conftest import ROOT, run
 
 THREADS_PROBE = textwrap.dedent("""
     import torch
@@ -49,3 +61,96 @@ def test_every_rank_of_a_rerun_uses_the_same_threads(tmp_path, chosen):
     assert sorted(line for line in result.stdout.splitlines() if line.startswith("rank")) == \
         [f"rank 0 threads {expected}", f"rank 1 threads {expected}"]
     assert result.stderr.count("Set OMP_NUM_THREADS") == (0 if chosen else 1)  # said once, by rank 0
+
+
+def one_line_error(result, *words):
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(word in lines[0] for word in words), result.stderr
+
+
+def help_text(capsys, config_class, module) -> str:
+    with pytest.raises(SystemExit) as exit:
+        parse(config_class, ["--help"], prog=f"python -m {module.__name__}", description=module.__doc__)
+    assert exit.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_keeps_the_example_commands_apart_and_offers_only_what_runs(capsys):
+    text = help_text(capsys, merge(Config, FabricFlags), gan.train)
+    assert "\n    python -m gan.train --strategy ddp --devices 2 " in text  # one example per line, as written
+    assert "(default: )" not in text and "(default: False)" in text and "(default: 3000)" in text
+    assert "ddp_spawn" not in text  # it runs a function (fabric.launch(fn)), which the scripts do not
+    assert "or auto: one per visible GPU" in " ".join(text.split())
+    text = help_text(capsys, merge(MetaConfig, FabricFlags), metalearn.train)
+    assert "--strategy {auto,single,ddp,fsdp}" in text
+    assert "not with this workload: deepspeed*" in " ".join(text.split())
+
+
+def test_accelerator_cuda_without_a_gpu_is_one_line():
+    result = run(["-m", "gan.train", "--accelerator", "cuda"], check=False, env={"CUDA_VISIBLE_DEVICES": ""})
+    one_line_error(result, "--accelerator cuda", "sees no CUDA device", "--accelerator cpu")
+
+
+def test_a_deepspeed_strategy_without_deepspeed_names_the_extra(tmp_path, monkeypatch):
+    shim = tmp_path / "shim" / "deepspeed"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError(\"No module named 'deepspeed' (simulated)\")\n")
+    result = run(["-m", "gan.train", "--strategy", "deepspeed_stage_3", "--devices", "2"], check=False,
+                 env={"PYTHONPATH": f"{shim.parent}{os.pathsep}{ROOT}"})
+    one_line_error(result, "deepspeed_stage_3", "pip install -e '.[deepspeed]'")
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # the Python API: one error, before any process starts
+    with pytest.raises(ModuleNotFoundError, match=r"needs DeepSpeed.*\[deepspeed\]"):
+        Fabric(accelerator="cpu", strategy="deepspeed", devices=2)
+
+
+def _no_network(*args, **kwargs):
+    raise urllib.error.URLError("simulated: no network")
+
+
+@pytest.mark.parametrize("name", ["mnist", "cifar10", "omniglot"])
+def test_download_without_a_network_says_what_to_do_in_one_line(tmp_path, monkeypatch, name):
+    monkeypatch.setattr(urllib.request, "urlopen", _no_network)
+    with pytest.raises(DownloadFailed) as error:
+        if name == "omniglot":
+            make_tasks("omniglot", 5, True, str(tmp_path), download=True)
+        else:
+            load_images(name, str(tmp_path), download=True)
+    message = str(error.value)
+    assert isinstance(error.value, ValueError) and "\n" not in message
+    assert "simulated: no network" in message and "run without --download" in message and "README" in message
+
+
+def test_download_without_a_network_from_the_command_line(tmp_path):
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(textwrap.dedent("""
+        import urllib.error, urllib.request
+
+        def _no_network(*args, **kwargs):
+            raise urllib.error.URLError("simulated: no network")
+
+        urllib.request.urlopen = _no_network
+    """))
+    result = run(["-m", "gan.train", "--dataset", "cifar10", "--download", "--data-root", str(tmp_path / "data"),
+                  "--out", str(tmp_path / "run")], check=False, env={"PYTHONPATH": f"{shim}{os.pathsep}{ROOT}"})
+    one_line_error(result, "could not download 'cifar10'", "simulated: no network", "cifar-10-batches-py")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_start_leaves_no_run_directory(tmp_path):
+    wrapped = merge(Config, FabricFlags)
+    with pytest.raises(FileNotFoundError):  # a dataset that is not there
+        gan.train.main(wrapped(dataset="mnist", data_root=str(tmp_path / "data"), out=str(tmp_path / "a")))
+    with pytest.raises(ValueError, match="no checkpoint"):  # resuming a run that never was
+        gan.train.main(wrapped(dataset="fake", batch_size=8, resume=str(tmp_path / "b")))
+    with pytest.raises(ValueError, match="no checkpoint"):
+        train_torch.main(Config(dataset="fake", batch_size=8, resume=str(tmp_path / "c" / "d")))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"is a file\); pass a writable --out"):
+        RunDir(str(tmp_path / "file" / "run"), "gan")
+    run_dir = RunDir(str(tmp_path / "new" / "run"), "gan")
+    assert not run_dir.path.exists()
+    run_dir.write_json("config.json", {})
+    assert (run_dir.path / "checkpoints").is_dir()
