@@ -33,7 +33,8 @@ class FabricFlags:
             parent()
         if self.accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
             build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-            raise ValueError(f"--accelerator {self.accelerator}, but torch (a {build}) sees no CUDA device; "
+            build = f"torch {torch.__version__}, {build}"
+            raise ValueError(f"--accelerator {self.accelerator}, but {build} sees no CUDA device; "
                              f"use --accelerator cpu or auto")
         try:
             check_installed(self.strategy)
