@@ -95,8 +95,8 @@ class RunDir:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for key in keys:
             points = [(r["step"], r[key]) for r in records if key in r]
-            if points:
-                ax.plot(*zip(*points), label=key)
+            if points:  # markers, so that a short run's one or two logged steps still show
+                ax.plot(*zip(*points), label=key, marker="o" if len(points) < 30 else None)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.legend()

@@ -96,7 +96,7 @@ def class_entropy(classifier: Classifier, images: torch.Tensor) -> float:
     predicted = torch.cat([classifier.logits(chunk.float()).argmax(1) for chunk in images.split(256)])
     p = torch.bincount(predicted).double() / len(predicted)
     p = p[p > 0]
-    return float(-(p * p.log()).sum())
+    return float((p * (1 / p).log()).sum())  # sum p log(1/p): one class gives 0.0, where -sum p log p gives -0.0
 
 
 def score(generated: torch.Tensor, train_set, test_set, dataset: str, image_size: int) -> dict:

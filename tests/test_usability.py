@@ -1,5 +1,6 @@
 """What a new user meets first: threads per process, one-line errors, --help, and what a failed start
 leaves behind."""
+import math
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
 import gan.train
 import metalearn.train
@@ -154,3 +156,25 @@ def test_a_failed_start_leaves_no_run_directory(tmp_path):
     assert not run_dir.path.exists()
     run_dir.write_json("config.json", {})
     assert (run_dir.path / "checkpoints").is_dir()
+
+
+def test_short_runs_and_fake_data_report_in_plain_words(tmp_path, capsys):
+    train_torch.main(Config(dataset="fake", batch_size=8, ngf=8, ndf=8, nz=16, eval_samples=8, max_steps=2,
+                            out=str(tmp_path / "gan")))
+    printed = capsys.readouterr().out
+    assert "not scored: fake data has no classes" in printed and "nan" not in printed
+    metalearn.train.main(merge(MetaConfig, FabricFlags)(hidden=8, eval_tasks=4, max_steps=2, log_every=500,
+                                                        accelerator="cpu", out=str(tmp_path / "maml")))
+    printed = capsys.readouterr().out
+    assert "after 0 steps " in printed and "1 step " in printed and "1 steps" not in printed
+
+
+def test_class_entropy_of_one_class_is_plus_zero():
+    from gan.score import class_entropy
+
+    class OneClass:
+        def logits(self, images):
+            return torch.zeros(len(images), 10).index_fill_(1, torch.tensor([3]), 1.0)
+
+    value = class_entropy(OneClass(), torch.zeros(5, 1, 8, 8))
+    assert value == 0.0 and math.copysign(1.0, value) == 1.0  # printed as 0.000, not -0.000
