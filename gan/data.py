@@ -15,8 +15,8 @@ CHANNELS = {"digits": 1, "mnist": 1, "fashion-mnist": 1, "cifar10": 3, "celeba":
 
 # Where torchvision looks for each dataset under --data-root, and what it expects to find there.
 _EXPECTED = {
-    "mnist": "MNIST/raw/train-images-idx3-ubyte (+ train-labels, t10k-*), optionally .gz",
-    "fashion-mnist": "FashionMNIST/raw/train-images-idx3-ubyte (+ train-labels, t10k-*), optionally .gz",
+    "mnist": "MNIST/raw/train-images-idx3-ubyte (+ train-labels, t10k-*), unpacked from their .gz",
+    "fashion-mnist": "FashionMNIST/raw/train-images-idx3-ubyte (+ train-labels, t10k-*), unpacked from their .gz",
     "cifar10": "cifar-10-batches-py/data_batch_1..5, test_batch, batches.meta (the python version)",
     "celeba": "celeba/img_align_celeba/*.jpg and celeba/list_eval_partition.txt, identity_CelebA.txt, ...",
     "folder": "<class>/<image> files (torchvision ImageFolder layout), one sub-folder per class",
