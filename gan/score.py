@@ -82,7 +82,9 @@ def _stack(dataset) -> torch.Tensor:
 def frechet_distance(classifier: Classifier, real: torch.Tensor, fake: torch.Tensor) -> float:
     from torchmetrics.image.fid import FrechetInceptionDistance
 
-    fid = FrechetInceptionDistance(feature=classifier, normalize=True)
+    # rank 0 alone scores its own samples: no all-gather over the run's process group, which under DDP
+    # would wait for ranks that never call this (they left after training)
+    fid = FrechetInceptionDistance(feature=classifier, normalize=True, sync_on_compute=False)
     for chunk in real.split(256):
         fid.update(chunk.float(), real=True)
     for chunk in fake.split(256):
