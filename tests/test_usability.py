@@ -1,7 +1,9 @@
 """What a new user meets first: threads per process, one-line errors, --help, and what a failed start
 leaves behind."""
+import configparser
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -178,3 +180,68 @@ def test_class_entropy_of_one_class_is_plus_zero():
 
     value = class_entropy(OneClass(), torch.zeros(5, 1, 8, 8))
     assert value == 0.0 and math.copysign(1.0, value) == 1.0  # printed as 0.000, not -0.000
+
+
+README_FILES = ["README.md", "gan/README.md", "autoencoder/README.md", "metalearn/README.md"]
+SHORT = {"gan": ["--max-steps", "20", "--log-every", "10", "--ngf", "8", "--ndf", "8", "--sample-every", "10",
+                 "--eval-samples", "64"],
+         "autoencoder": ["--max-steps", "20", "--log-every", "10"],
+         "metalearn": ["--max-steps", "20", "--log-every", "10", "--eval-tasks", "20"]}
+WARNING = re.compile(r"warning|\bW\d{4} ", re.IGNORECASE)
+# only for the plain GAN under torchrun: torchrun's note that it set OMP_NUM_THREADS=1, and torch's deprecation of
+# the broadcast_buffers argument the plain script keeps (gan/README.md, Warnings, says why)
+EXPLAINED = re.compile(r"Setting OMP_NUM_THREADS|\bW\d{4} .*torch/distributed/run\.py"
+                       r"|`broadcast_buffers` is deprecated")
+
+
+def readme_commands() -> list[str]:
+    """The training commands of the READMEs' bash blocks, except those that need dataset files."""
+    commands = []
+    for name in README_FILES:
+        for block in re.findall(r"```bash\n(.*?)```", (ROOT / name).read_text(), re.S):
+            for line in block.splitlines():
+                command = line.split("#")[0].split("&&")[-1].strip()
+                if re.match(r"(python -m (gan|autoencoder|metalearn)\.train|torchrun)", command) \
+                        and "--data-root" not in command and command not in commands:
+                    commands.append(command)
+    return commands
+
+
+def test_readme_install_section_matches_setup_cfg():
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    readme = (ROOT / "README.md").read_text()
+    install = readme[readme.index("## Install"):readme.index("## What it is")]
+    version = setup["options"]["python_requires"].removeprefix(">=")
+    assert f"Python {version} or newer" in install
+    extras = {name: sorted(re.split(r"[<>=!~ ]", spec.strip())[0] for spec in value.strip().splitlines())
+              for name, value in setup["options.extras_require"].items()}
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.*?) \|", install, re.M))
+    assert {name: sorted(re.findall(r"`([\w-]+)`", adds)) for name, adds in rows.items()} == extras
+    assert set(re.findall(r'pip install -e "\.\[(\w+)\]"', install)) == set(extras)
+    assert "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu" in install
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("command", readme_commands())
+def test_readme_commands_run_without_warnings_to_act_on(tmp_path, command):
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}  # as a user runs them
+    env["PYTHONPATH"] = str(ROOT)
+    args = command.split()
+    if args[0] == "torchrun":
+        args = ["python", "-m", "torch.distributed.run", *args[1:]]
+    workload = next(w for w in SHORT if f"{w}.train" in command)
+    args = [sys.executable, *args[1:], *SHORT[workload], "--out", str(tmp_path)]
+    result = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stderr.replace("\r", "\n").splitlines()
+    explained = EXPLAINED if command.startswith("torchrun") else re.compile("^$")
+    assert [line for line in lines if WARNING.search(line) and not explained.search(line)] == []
+    assert (tmp_path / "summary.json").is_file()
+
+
+def test_the_readme_commands_include_every_workload_and_torchrun():
+    commands = readme_commands()
+    assert len(commands) >= 10 and any(c.startswith("torchrun") for c in commands)
+    assert {w for w in SHORT if any(f"{w}.train" in c for c in commands)} == set(SHORT)
