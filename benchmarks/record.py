@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results"  # full runs; quick runs write to RESULTS / "quick"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -41,18 +41,25 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def write(name: str, config: dict, rows: list[dict], markdown: str, threads: int | str = 1) -> Path:
-    """Write results/<name>.json and results/<name>.md; return the markdown path. `threads`: the intra-op
-    threads of each timed process (the parts pin 1; the quality runs keep torch's default)."""
-    RESULTS.mkdir(exist_ok=True)
+def results_dir(quick: bool) -> Path:
+    """Where a run writes: quick runs beside the committed full results, never over them."""
+    return RESULTS / "quick" if quick else RESULTS
+
+
+def write(name: str, config: dict, rows: list[dict], markdown: str, threads: int | str = 1,
+          quick: bool = False) -> Path:
+    """Write <name>.json and <name>.md into results_dir(quick); return the markdown path. `threads`: the
+    intra-op threads of each timed process (the parts pin 1; the quality runs keep torch's default)."""
+    directory = results_dir(quick)
+    directory.mkdir(parents=True, exist_ok=True)
     env = {**environment(), "threads_per_process": threads}
-    (RESULTS / f"{name}.json").write_text(json.dumps({"environment": env, "config": config, "rows": rows},
+    (directory / f"{name}.json").write_text(json.dumps({"environment": env, "config": config, "rows": rows},
                                                      indent=2) + "\n")
     header = (f"_commit {env['commit']}, {env['date']}, torch {env['torch']}, deepspeed {env['deepspeed']}, "
               f"{env['cpu']} ({env['cores']} cores), "
               f"{threads if isinstance(threads, str) else f'{threads} thread(s)'} per process"
               f"{', ' + env['gpu'] if env['gpu'] else ''}; config: `{json.dumps(config)}`_\n\n")
-    path = RESULTS / f"{name}.md"
+    path = directory / f"{name}.md"
     path.write_text(header + markdown)
     return path
 

@@ -21,6 +21,9 @@ RESUMABLE_CHANGES = {"out", "resume", "max_steps", "checkpoint_every", "log_ever
 
 
 class RunDir:
+    """A run's directory. It appears with the run's first file (config.json, written once data, models and
+    any resumed checkpoint have loaded), so a run that fails to start leaves no empty folder behind."""
+
     def __init__(self, out: str, workload: str, write: bool = True, broadcast=None):
         """`broadcast` (e.g. fabric.broadcast) hands every rank rank 0's value, so that all ranks of a
         multi-process run agree on the default directory, which is named by the clock."""
@@ -29,14 +32,10 @@ class RunDir:
         self.write = write  # False on every rank but 0
         self.started = time.perf_counter()
         if write:
-            try:
-                (self.path / "checkpoints").mkdir(parents=True, exist_ok=True)
-                probe = self.path / ".write-test"
-                probe.write_text("")
-                probe.unlink()
-            except OSError as error:
-                raise ValueError(f"cannot write to the run directory {self.path} ({error.strerror}); "
-                                 f"pass a writable --out") from None
+            _check_writable(self.path)
+
+    def _create(self) -> None:
+        (self.path / "checkpoints").mkdir(parents=True, exist_ok=True)
 
     @property
     def checkpoint(self) -> Path:
@@ -45,6 +44,7 @@ class RunDir:
     def log(self, record: dict) -> None:
         """Append one record, stamped with the seconds since the run (or its resume) started."""
         if self.write:
+            self._create()
             record = {**record, "time": round(time.perf_counter() - self.started, 4)}
             with open(self.path / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -67,6 +67,7 @@ class RunDir:
 
     def write_json(self, name: str, data: dict) -> None:
         if self.write:
+            self._create()
             tmp = self.path / f".{name}.tmp"
             tmp.write_text(json.dumps(data, indent=2) + "\n")
             os.replace(tmp, self.path / name)
@@ -98,14 +99,25 @@ class RunDir:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for key in keys:
             points = [(r["step"], r[key]) for r in records if key in r]
-            if points:
-                ax.plot(*zip(*points), label=key)
+            if points:  # markers, so that a short run's one or two logged steps still show
+                ax.plot(*zip(*points), label=key, marker="o" if len(points) < 30 else None)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.legend()
         fig.tight_layout()
         fig.savefig(self.path / name, dpi=100)
         plt.close(fig)
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse an --out that cannot be created or written, without creating anything yet."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    reason = ("is a file" if not existing.is_dir() else
+              "permission denied" if not os.access(existing, os.W_OK | os.X_OK) else None)
+    if reason:
+        raise ValueError(f"cannot write to the run directory {path} ({existing} {reason}); pass a writable --out")
 
 
 def resume_path(resume: str) -> Path:
@@ -238,6 +250,7 @@ def save_plain(path: Path, state: dict) -> None:
     values, written to a temporary file and renamed, so a crash mid-write keeps the previous checkpoint."""
     data = {key: getattr(value, "module", value).state_dict() if hasattr(value, "state_dict") else value
             for key, value in state.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, f"{path}.tmp")
     os.replace(f"{path}.tmp", path)
 

@@ -1,20 +1,45 @@
 """The flags a wrapped training script gains from core: accelerator, strategy, devices, nodes, precision."""
 from dataclasses import dataclass, field
 
+import torch
+
 from core.fabric import ACCELERATORS
 from core.precision import PRECISIONS
 from core.strategies import STRATEGIES
+from core.validation import check_installed
+
+# ddp_spawn runs a function in new processes (fabric.launch(fn)); the scripts run top to bottom after a
+# plain fabric.launch(), which re-runs the command for the other ranks, so the flag does not offer it.
+SCRIPT_STRATEGIES = tuple(name for name in STRATEGIES if name != "ddp_spawn")
 
 
 @dataclass
 class FabricFlags:
-    accelerator: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available)",
+    accelerator: str = field(default="auto", metadata={"help": "cpu, cuda (or its alias gpu), or auto: cuda when "
+                                                               "torch sees a GPU, else cpu",
                                                        "choices": ACCELERATORS})
-    strategy: str = field(default="auto", metadata={"help": "how models are wrapped and synchronised",
-                                                    "choices": STRATEGIES})
-    devices: str = field(default="1", metadata={"help": "processes per node (GPUs or CPU processes), or auto"})
+    strategy: str = field(default="auto", metadata={
+        "help": "how models are wrapped and synchronised; auto: ddp for several processes, else single. "
+                "deepspeed* needs the deepspeed extra", "choices": SCRIPT_STRATEGIES})
+    devices: str = field(default="1", metadata={
+        "help": "processes on this machine (one per GPU, or CPU processes sharing the cores), or auto: one "
+                "per visible GPU with cuda, 1 on cpu, the number started by torchrun or SLURM under them"})
     num_nodes: int = field(default=1, metadata={"help": "machines (more than one needs torchrun or SLURM)"})
     precision: str = field(default="32-true", metadata={"help": "numeric precision", "choices": PRECISIONS})
+
+    def check(self):
+        parent = getattr(super(), "check", None)  # the workload's Config, merged after this class
+        if parent is not None:
+            parent()
+        if self.accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
+            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            build = f"torch {torch.__version__}, {build}"
+            raise ValueError(f"--accelerator {self.accelerator}, but {build} sees no CUDA device; "
+                             f"use --accelerator cpu or auto")
+        try:
+            check_installed(self.strategy)
+        except ImportError as error:
+            raise ValueError(str(error)) from None
 
     def fabric_options(self) -> dict:
         devices = int(self.devices) if self.devices.isdigit() else self.devices

@@ -55,6 +55,7 @@ class Fabric:
             raise ValueError(f"Unknown accelerator {accelerator!r}. Choose one of: {', '.join(ACCELERATORS)}.")
         if strategy not in STRATEGIES:
             raise ValueError(f"Unknown strategy {strategy!r}. Choose one of: {', '.join(STRATEGIES)}.")
+        validation.check_installed(strategy)
         if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
             raise RuntimeError(f"accelerator={accelerator!r} but no CUDA device is visible to torch. "
                                f"Use accelerator='cpu' (or 'auto').")

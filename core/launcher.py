@@ -54,6 +54,7 @@ def start(devices: int, num_nodes: int) -> dict:
     if env["world_size"] != devices * num_nodes:
         raise RuntimeError(f"The launcher started {env['world_size']} processes, but devices={devices} x "
                            f"num_nodes={num_nodes} = {devices * num_nodes}. Make them agree.")
+    set_threads(env["local_world_size"], announce=env["local_rank"] == 0)
     watch_parent()
     return env
 
@@ -94,8 +95,39 @@ def solo_environment() -> dict:
     return {"global_rank": 0, "local_rank": 0, "world_size": 1, "node_rank": 0, "local_world_size": 1}
 
 
-def _threads_per_process(n: int) -> int:
-    return max(1, (os.cpu_count() or 1) // n)
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # what taskset, SLURM or a container left this process
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_process(processes_on_this_machine: int, announce: bool = True) -> int:
+    """Torch's intra-op threads for each of the processes of a run on this machine.
+
+    Like torchrun, a run of several processes on one machine does not leave each of them torch's default
+    of one thread per core: that oversubscribes the cores and, under any other load, made steps 4-10x
+    slower. OMP_NUM_THREADS, when set (by the user, or by torchrun to 1), is used as it is; otherwise each
+    process gets its share of the cores this process may use, and `announce` says so once."""
+    chosen = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if chosen:
+        if not chosen.isdigit() or int(chosen) < 1:
+            raise ValueError(f"OMP_NUM_THREADS={chosen!r} is not a whole number >= 1; set it to the threads each "
+                             f"process should use, or unset it to share the cores between the processes.")
+        return int(chosen)
+    cores = _usable_cores()
+    threads = max(1, cores // processes_on_this_machine)
+    if announce and processes_on_this_machine > 1:
+        print(f"[core] {processes_on_this_machine} processes share {cores} cores: {threads} thread(s) each. "
+              f"Set OMP_NUM_THREADS to choose another number.", file=sys.stderr, flush=True)
+    return threads
+
+
+def set_threads(processes_on_this_machine: int, announce: bool = True) -> None:
+    """Apply threads_per_process to this process, and to the processes it starts (OMP_NUM_THREADS)."""
+    threads = threads_per_process(processes_on_this_machine, announce)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def rerun_for_other_ranks(num_processes: int) -> dict:
@@ -104,14 +136,12 @@ def rerun_for_other_ranks(num_processes: int) -> dict:
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(num_processes),
             "LOCAL_WORLD_SIZE": str(num_processes), "NODE_RANK": "0", "GROUP_RANK": "0"}
     os.environ.update(base, RANK="0", LOCAL_RANK="0")
-    threads = os.environ.get("OMP_NUM_THREADS") or str(_threads_per_process(num_processes))
+    set_threads(num_processes)  # also sets OMP_NUM_THREADS, which the other ranks inherit
     command = _this_command()
     children = {}
     for rank in range(1, num_processes):
-        env = {**os.environ, **base, "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": threads,
-               "CORE_PARENT_PID": str(os.getpid())}
+        env = {**os.environ, **base, "RANK": str(rank), "LOCAL_RANK": str(rank), "CORE_PARENT_PID": str(os.getpid())}
         children[rank] = subprocess.Popen(command, env=env)
-    torch.set_num_threads(int(threads))
     _watch_children(children)
     return cluster_environment()
 
@@ -269,7 +299,7 @@ def spawn(fn, num_processes: int, fabric, args, kwargs):
 
     port = free_port()
     queue = mp.get_context("spawn").SimpleQueue()
-    threads = _threads_per_process(num_processes)
+    threads = threads_per_process(num_processes)
     context = mp.start_processes(_spawned, args=(fn, num_processes, port, threads, fabric, args, kwargs, queue),
                                  nprocs=num_processes, join=False, start_method="spawn")
     try:

@@ -3,6 +3,7 @@
 `SingleDevice` is the base; `DDP` adds a process group and DistributedDataParallel. FSDP and
 DeepSpeed live in `core/fsdp.py` and `core/deepspeed.py` and are imported only when chosen.
 """
+import warnings
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -133,7 +134,12 @@ class DDP(SingleDevice):
             return module  # nothing to synchronise; DDP would refuse it
         options = {**self.options, **kwargs}
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, **options)
+        with warnings.catch_warnings():
+            # torch 2.14 deprecates broadcast_buffers for forward_sync_buffers, which also syncs buffers at
+            # construction; its own warning says to keep broadcast_buffers=False for rank-local buffers. The
+            # option is passed on as given, so its deprecation is not the user's to act on here.
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+            return DistributedDataParallel(module, device_ids=device_ids, **options)
 
     def no_backward_sync(self, module):
         forward = module._forward_module

@@ -15,8 +15,8 @@ CHANNELS = {"digits": 1, "mnist": 1, "fashion-mnist": 1, "cifar10": 3, "celeba":
 
 # Where torchvision looks for each dataset under --data-root, and what it expects to find there.
 _EXPECTED = {
-    "mnist": "MNIST/raw/train-images-idx3-ubyte (+ train-labels, t10k-*), optionally .gz",
-    "fashion-mnist": "FashionMNIST/raw/train-images-idx3-ubyte (+ train-labels, t10k-*), optionally .gz",
+    "mnist": "MNIST/raw/train-images-idx3-ubyte (+ train-labels, t10k-*), unpacked from their .gz",
+    "fashion-mnist": "FashionMNIST/raw/train-images-idx3-ubyte (+ train-labels, t10k-*), unpacked from their .gz",
     "cifar10": "cifar-10-batches-py/data_batch_1..5, test_batch, batches.meta (the python version)",
     "celeba": "celeba/img_align_celeba/*.jpg and celeba/list_eval_partition.txt, identity_CelebA.txt, ...",
     "folder": "<class>/<image> files (torchvision ImageFolder layout), one sub-folder per class",
@@ -25,6 +25,23 @@ _EXPECTED = {
 
 class DatasetNotFound(FileNotFoundError):
     """The dataset's files are not under the data root; the message says where they must be."""
+
+
+class DownloadFailed(ValueError):
+    """--download could not fetch the dataset (no network, a server down); the message says what to do."""
+
+
+def download_failure(name: str, root, expected: str, error: Exception) -> DownloadFailed | None:
+    """The one-line error for a download that failed on the network, or None for any other failure.
+    torchvision raises urllib's URLError (an OSError) from its download, or, for MNIST after trying every
+    mirror, a RuntimeError whose last line is the URLError; Google Drive files (CelebA) need gdown."""
+    lines = [line for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    network = isinstance(error, OSError) and not isinstance(error, FileNotFoundError)
+    if not (network or lines[0].startswith("Error downloading") or "gdown" in lines[0]):
+        return None
+    return DownloadFailed(f"could not download {name!r} into {root} ({lines[-1].strip()}); "
+                          f"put the files there yourself ({expected}; README.md, Datasets, says where to get "
+                          f"them) and run without --download")
 
 
 def _digits(image_size: int, train: bool):
@@ -63,8 +80,12 @@ def _torchvision(name: str, root: Path, image_size: int, train: bool, download: 
             return datasets.CelebA(root, split="train" if train else "test", target_type="identity",
                                    download=download, transform=transform)
         return datasets.ImageFolder(root, transform=transform)
-    except (RuntimeError, FileNotFoundError) as error:
-        hint = "" if name == "folder" else " Pass --download to fetch it (needs internet), or copy the files there."
+    except (RuntimeError, OSError) as error:
+        failure = download_failure(name, root, _EXPECTED[name], error) if download else None
+        if failure is not None:
+            raise failure from None
+        hint = "" if name == "folder" or download else \
+            " Pass --download to fetch it (needs internet), or copy the files there."
         raise DatasetNotFound(f"dataset {name!r} not found under {root}: expected {_EXPECTED[name]} "
                               f"({error}).{hint}") from None
 

@@ -50,7 +50,9 @@ class Discriminator(nn.Module):
         self.apply(init_weights)
 
     def forward(self, images):  # (B, channels, H, W) -> (B,) logits
-        return self.main(images).flatten()
+        # a tensor of its own, not a view of the last conv's (B, 1, 1, 1) output: an in-place op on a view
+        # of a module's output would skip FSDP2's pre-backward hook, so FSDP2 warns about every such output
+        return self.main(images).flatten().clone()
 
 
 def init_weights(module: nn.Module) -> None:

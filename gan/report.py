@@ -30,9 +30,10 @@ def finish(run, config, generated: torch.Tensor, started: float, steps: int) -> 
                "config": dataclasses.asdict(config)}
     run.write_json("summary.json", summary)
     run.plot_losses(["loss_d", "loss_g"])
-    nan = float("nan")
-    print(f"Run directory: {run.path}  samples: {run.path / 'samples'}  "
-          f"classifier FID: {summary.get('fid_classifier', nan):.2f} (real floor "
-          f"{summary.get('fid_real_floor', nan):.2f}, noise {summary.get('fid_noise', nan):.1f})  "
-          f"class entropy: {summary.get('class_entropy', nan):.3f} of 2.303")
+    if metrics:
+        quality = (f"classifier FID: {summary['fid_classifier']:.2f} (real floor {summary['fid_real_floor']:.2f}, "
+                   f"noise {summary['fid_noise']:.1f})  class entropy: {summary['class_entropy']:.3f} of 2.303")
+    else:
+        quality = "not scored: fake data has no classes to score against"
+    print(f"Run directory: {run.path}  samples: {run.path / 'samples'}  {quality}")
     return summary

@@ -82,7 +82,8 @@ def _stack(dataset) -> torch.Tensor:
 def frechet_distance(classifier: Classifier, real: torch.Tensor, fake: torch.Tensor) -> float:
     from torchmetrics.image.fid import FrechetInceptionDistance
 
-    # rank 0 scores alone: no synchronisation with ranks that may have finished already
+    # rank 0 alone scores its own samples: no all-gather over the run's process group, which under DDP
+    # would wait for ranks that never call this (they left after training)
     fid = FrechetInceptionDistance(feature=classifier, normalize=True, sync_on_compute=False)
     for chunk in real.split(256):
         fid.update(chunk.float(), real=True)
@@ -97,7 +98,7 @@ def class_entropy(classifier: Classifier, images: torch.Tensor) -> float:
     predicted = torch.cat([classifier.logits(chunk.float()).argmax(1) for chunk in images.split(256)])
     p = torch.bincount(predicted).double() / len(predicted)
     p = p[p > 0]
-    return float(-(p * p.log()).sum())
+    return float((p * (1 / p).log()).sum())  # sum p log(1/p): one class gives 0.0, where -sum p log p gives -0.0
 
 
 def score(generated: torch.Tensor, train_set, test_set, dataset: str, image_size: int) -> dict:

@@ -1,5 +1,6 @@
 """MAML's configuration, shared by both variants; defaults are the paper's sinusoid setup."""
 from dataclasses import dataclass
+from typing import ClassVar
 
 from common.config import RunConfig, flag
 from metalearn.data import TASKS
@@ -7,6 +8,7 @@ from metalearn.data import TASKS
 
 @dataclass
 class Config(RunConfig):
+    refused_choices: ClassVar[dict] = {"strategy": ("deepspeed",)}  # check() says why; --help leaves them out
     dataset: str = flag("sinusoid", "task family (sinusoid and digits are embedded)", choices=TASKS)
     max_steps: int = flag(20000, "meta-iterations (outer optimizer steps)")
     batch_size: int = flag(25, "tasks per meta-batch, split across processes")
@@ -28,7 +30,7 @@ class Config(RunConfig):
         super().check()
         if self.inner_steps < 0 or self.shots < 1 or self.queries < 1:
             raise ValueError("--inner-steps must be >= 0, --shots and --queries >= 1")
-        if getattr(self, "strategy", "").startswith("deepspeed"):  # the wrapped variant's flag
+        if getattr(self, "strategy", "").startswith(self.refused_choices["strategy"]):  # the wrapped variant's flag
             raise ValueError(
                 "MAML cannot run under DeepSpeed: its inner loop takes parameter gradients inside forward, and "
                 "ZeRO's gradient hooks also fire on those (stages 1-2 gave a meta-gradient off by 3e-4 after 5 "

@@ -74,6 +74,8 @@ def with_rotations(images: torch.Tensor) -> torch.Tensor:
 def _omniglot_by_class(root: str, background: bool, download: bool) -> torch.Tensor:
     from torchvision import datasets, transforms
 
+    from gan.data import download_failure  # the image loaders' wording for a download without a network
+
     if not download and not Path(root).is_dir():
         raise FileNotFoundError(f"--data-root {root} does not exist; omniglot expects "
                                 f"omniglot-py/images_background/<alphabet>/<character>/*.png there "
@@ -81,7 +83,11 @@ def _omniglot_by_class(root: str, background: bool, download: bool) -> torch.Ten
     try:
         dataset = datasets.Omniglot(root, background=background, download=download,
                                     transform=transforms.Compose([transforms.Resize(28), transforms.ToTensor()]))
-    except RuntimeError as error:
+    except (RuntimeError, OSError) as error:
+        failure = download_failure("omniglot", root, "omniglot-py/images_background.zip and images_evaluation.zip",
+                                   error) if download else None
+        if failure is not None:
+            raise failure from None
         raise FileNotFoundError(f"omniglot not found under {root}: expected omniglot-py/images_background and "
                                 f"images_evaluation with their zip files ({error}). Pass --download to fetch "
                                 f"it, or copy them there.") from None

@@ -57,7 +57,8 @@ def _plot_curves(run, results) -> None:
         order = query_x[task, :, 0].argsort()
         ax.plot(query_x[task, order, 0], query_y[task, order, 0], "k-", label="true")
         for steps in (0, 1, 10):
-            ax.plot(query_x[task, order, 0], results["curves"][steps][task, order, 0], label=f"{steps} steps")
+            ax.plot(query_x[task, order, 0], results["curves"][steps][task, order, 0],
+                    label=f"{steps} step{'' if steps == 1 else 's'}")
         ax.plot(support_x[task, :, 0], support_y[task, :, 0], "k^", label="support")
         ax.set_title(f"test task {task}")
     axes[0].legend(fontsize=8)
@@ -74,7 +75,7 @@ def finish(run, config, results: dict, started: float, steps: int) -> dict:
         summary.update(test_mse_steps=results["mse"], test_mse_ci95_steps=results["ci95"],
                        test_mse_median_steps=results["median"], test_diverged_tasks_steps=results["diverged"])
         _plot_curves(run, results)
-        line = ", ".join(f"{k} steps " + (f"{v:.3f}" if v is not None else
+        line = ", ".join(f"{k} step{'' if k == 1 else 's'} " + (f"{v:.3f}" if v is not None else
                                           f"n/a ({results['diverged'][k]} tasks diverged; median "
                                           f"{results['median'][k]:.3f})") for k, v in results["mse"].items())
         print(f"Run directory: {run.path}  test MSE after {line}")
@@ -82,7 +83,7 @@ def finish(run, config, results: dict, started: float, steps: int) -> dict:
         step = config.inner_steps if config.inner_steps in EVAL_STEPS else 10
         summary.update(test_accuracy=results["accuracy"][step], test_accuracy_ci95=results["ci95"][step],
                        test_accuracy_steps=results["accuracy"], test_accuracy_ci95_steps=results["ci95"])
-        print(f"Run directory: {run.path}  test accuracy after {step} steps "
+        print(f"Run directory: {run.path}  test accuracy after {step} step{'' if step == 1 else 's'} "
               f"{results['accuracy'][step]:.3f} +- {results['ci95'][step]:.3f}")
     summary["config"] = dataclasses.asdict(config)
     run.write_json("summary.json", summary)

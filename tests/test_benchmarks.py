@@ -46,10 +46,10 @@ def test_a_failing_parity_row_is_shown_failing_and_results_are_well_formed(resul
     markdown = bench.run_parity(quick=True)
     row = next(line for line in markdown.splitlines() if line.startswith("| gan | single"))
     assert row.count("**no**") == 2 and "max diff 0.5" in row  # time and memory both miss their targets
-    saved = json.loads((results / "parity.json").read_text())
+    saved = json.loads((results / "quick" / "parity.json").read_text())
     assert saved["environment"]["commit"] and saved["environment"]["torch"]
-    assert len(saved["rows"]) == 8 and (results / "parity.png").is_file()
-    assert (results / "parity.md").read_text().startswith("_commit ")
+    assert len(saved["rows"]) == 8 and (results / "quick" / "parity.png").is_file()
+    assert (results / "quick" / "parity.md").read_text().startswith("_commit ")
 
 
 def test_readme_tables_are_replaced_in_place(results, tmp_path, monkeypatch):
@@ -65,6 +65,36 @@ def test_readme_tables_are_replaced_in_place(results, tmp_path, monkeypatch):
     assert text.startswith("intro\nline\n<!-- benchmarks:start -->\n<!-- overhead -->\n### overhead")
     assert text.endswith("<!-- /parity -->\n<!-- benchmarks:end -->\noutro\n")
     assert text.index("table two") < text.index("table three")
+
+
+def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- benchmarks:start -->\n<!-- benchmarks:end -->\n")
+    full = {name: results / name for name in ("overhead.md", "overhead.json", "maml_speed.md", "maml_speed.json")}
+    for path in full.values():
+        path.write_text("full run\n")
+    timing = {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}
+    monkeypatch.setattr(overhead, "measure", lambda blocks: {  # no Lightning: its row says so
+        "rows": [{"variant": v, "us_per_step": timing, "ratio": timing, "overhead_us": 0.0} for v in ("plain", "core")],
+        "import": {"core_s": timing, "torch_s": timing, "ratio": 1.0}})
+    monkeypatch.setattr(maml_speed, "measure", lambda iterations, repeats: {"rows": [  # no higher; 4.89x misses 5x
+        {"method": "vmap (torch.func)", "iterations_per_s": timing, "speedup_of_vmap": 1.0,
+         "meta_gradient_matches": True},
+        {"method": "per-task autograd loop", "iterations_per_s": timing, "speedup_of_vmap": 4.89,
+         "meta_gradient_matches": True}]})
+
+    bench.main(["--quick", "--only", "overhead,maml"])
+    assert readme.read_text() == "<!-- benchmarks:start -->\n<!-- benchmarks:end -->\n"
+    assert all(path.read_text() == "full run\n" for path in full.values())
+    quick = (results / "quick" / "maml_speed.md").read_text()
+    assert "| per-task autograd loop | 1 | 1.0-1.0 | 4.89 | >= 5 | **no** | yes |" in quick
+    assert "| per-task higher loop | not installed: pip install -e '.[bench]' |" in quick
+    assert "| lightning | not installed: pip install -e '.[bench]' |" in (results / "quick" / "overhead.md").read_text()
+
+    bench.main(["--only", "overhead"])  # a full run of a part: its result files and its README table
+    assert "### overhead" in readme.read_text() and "full run" not in full["overhead.md"].read_text()
+    assert full["maml_speed.md"].read_text() == "full run\n"
 
 
 def test_unknown_part_is_a_usage_error(capsys):

@@ -172,7 +172,7 @@ def test_an_error_only_rank_0_sees_ends_every_rank_with_one_line(tmp_path):
     assert "Traceback" not in stderr
     errors = [line for line in stderr.splitlines() if "error:" in line]
     assert errors == [f"python -m autoencoder.train: error: cannot write to the run directory "
-                      f"{tmp_path / 'a_file' / 'run'} (Not a directory); pass a writable --out"], stderr
+                      f"{tmp_path / 'a_file' / 'run'} ({tmp_path / 'a_file'} is a file); pass a writable --out"], stderr
     time.sleep(0.5)
     assert not children_of(process.pid)
 

@@ -178,7 +178,7 @@ def test_omniglot_from_a_generated_folder(tmp_path, monkeypatch):
 def test_classification_run_reports_accuracy(tmp_path):
     result = run(["-m", "metalearn.train", "--dataset", "digits", "--max-steps", "20", "--batch-size", "4",
                   "--shots", "1", "--queries", "5", "--eval-tasks", "20", "--out", str(tmp_path)])
-    assert "test accuracy after 1 steps" in result.stdout
+    assert "test accuracy after 1 step 0." in result.stdout
     import json
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert 0 <= summary["test_accuracy"] <= 1 and summary["test_accuracy_ci95"] >= 0
