@@ -17,6 +17,7 @@ import torch
 from common.run import StopRequests
 from core.checkpoint import load_checkpoint
 from tests.conftest import ROOT, run
+from tests.test_usability import EXPLAINED, WARNING
 
 READMES = [ROOT / "README.md", *sorted(ROOT.glob("*/README.md"))]
 WORKLOADS = ("gan", "autoencoder", "metalearn")
@@ -74,10 +75,14 @@ def test_every_readme_command_runs(tmp_path, where, command):
     elif words[0] == "python":
         words = [sys.executable, *words[1:]]
     words += ["--max-steps", "3", "--out", str(tmp_path / "run")]
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    environment = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}  # as a user runs it
+    environment["PYTHONPATH"] = str(ROOT)
     result = subprocess.run(words, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, f"{where}: {command}\n{result.stderr[-4000:]}"
     assert "Traceback" not in result.stderr, result.stderr[-4000:]
+    explained = EXPLAINED if command.startswith("torchrun") else re.compile("^$")
+    lines = result.stderr.replace("\r", "\n").splitlines()
+    assert [line for line in lines if WARNING.search(line) and not explained.search(line)] == []  # none to act on
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 3
     scores = [value for key, value in summary.items() if key not in ("config", "steps", "train_seconds")
