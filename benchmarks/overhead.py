@@ -79,7 +79,8 @@ def stop_check_cost(steps: int = 2000) -> dict:
     stop, loss = StopRequests(), torch.tensor(1.0)
     one = _time_checks(stop, loss, steps)
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_stop_check_rank, args=(steps, queue), nprocs=2, start_method="spawn")
+    from core.launcher import free_port
+    mp.start_processes(_stop_check_rank, args=(steps, free_port(), queue), nprocs=2, start_method="spawn")
     return {"one_process_us": one, "two_processes_us": queue.get()}
 
 
@@ -94,7 +95,7 @@ def _time_checks(stop, loss, steps: int) -> dict:
     return spread(samples)
 
 
-def _stop_check_rank(rank: int, steps: int, queue) -> None:
+def _stop_check_rank(rank: int, steps: int, port: int, queue) -> None:
     import os
 
     from common.run import StopRequests
@@ -102,7 +103,7 @@ def _stop_check_rank(rank: int, steps: int, queue) -> None:
     from core.launcher import cluster_environment
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29577", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       RANK=str(rank), LOCAL_RANK=str(rank))
     fabric = Fabric(accelerator="cpu", strategy="ddp", devices=2)
     fabric._start_distributed(cluster_environment())

@@ -22,6 +22,7 @@ def test_overhead_measures_every_variant(results):
     for row in result["rows"]:
         assert row["us_per_step"]["median"] > 0 and row["ratio"]["n"] == 2
     assert result["import"]["ratio"] > 0
+    assert result["stop_check"]["one_process_us"]["median"] > 0 < result["stop_check"]["two_processes_us"]["median"]
 
 
 def test_maml_speed_checks_meta_gradients_first():
@@ -77,7 +78,8 @@ def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, 
     timing = {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}
     monkeypatch.setattr(overhead, "measure", lambda blocks: {  # no Lightning: its row says so
         "rows": [{"variant": v, "us_per_step": timing, "ratio": timing, "overhead_us": 0.0} for v in ("plain", "core")],
-        "import": {"core_s": timing, "torch_s": timing, "ratio": 1.0}})
+        "import": {"core_s": timing, "torch_s": timing, "ratio": 1.0},
+        "stop_check": {"one_process_us": timing, "two_processes_us": timing}})
     monkeypatch.setattr(maml_speed, "measure", lambda iterations, repeats: {"rows": [  # no higher; 4.89x misses 5x
         {"method": "vmap (torch.func)", "iterations_per_s": timing, "speedup_of_vmap": 1.0,
          "meta_gradient_matches": True},
