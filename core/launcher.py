@@ -177,8 +177,10 @@ def _watch_children(children: dict) -> None:
     _children.update(children)
 
     def watch():
-        while True:
-            if _report_dead(children):
+        while not _finished.is_set():
+            # a rank that exits non-zero after the ranks agreed to end (a Ctrl-C stop: 130) is no failure
+            if any(proc.poll() not in (None, 0) for proc in children.values()) and not _finished.wait(1.0) \
+                    and _report_dead(children):
                 _stop(children)
                 os._exit(1)
             if all(proc.poll() == 0 for proc in children.values()):
@@ -190,6 +192,7 @@ def _watch_children(children: dict) -> None:
 
 _children: dict = {}  # rank -> Popen, in rank 0 of a re-run command
 _failed = False  # this process raised an exception nobody caught
+_finished = threading.Event()  # every rank reached its exit: the run ended together
 
 
 def end_run_at_exit(teardown) -> None:
@@ -216,6 +219,7 @@ def _end_run(teardown) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     finished = not _failed and dist.is_initialized() and _all_ranks_finished(rank)
     if finished:
+        _finished.set()
         teardown()
     if not _children:
         return

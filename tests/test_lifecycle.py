@@ -81,7 +81,7 @@ def test_every_readme_command_runs(tmp_path, where, command):
     assert result.returncode == 0, f"{where}: {command}\n{result.stderr[-4000:]}"
     assert "Traceback" not in result.stderr, result.stderr[-4000:]
     explained = EXPLAINED if command.startswith("torchrun") else re.compile("^$")
-    lines = result.stderr.replace("\r", "\n").splitlines()
+    lines = (result.stdout + result.stderr).replace("\r", "\n").splitlines()  # DeepSpeed logs to stdout
     assert [line for line in lines if WARNING.search(line) and not explained.search(line)] == []  # none to act on
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 3

@@ -27,12 +27,13 @@ from metalearn.data import make_tasks
 from tests.conftest import ROOT, run
 
 THREADS_PROBE = textwrap.dedent("""
+    import os
     import torch
     from core import Fabric
 
     fabric = Fabric(accelerator="cpu", strategy="ddp", devices=2)
     fabric.launch()
-    print(f"rank {fabric.global_rank} threads {torch.get_num_threads()}", flush=True)
+    os.write(1, f"rank {fabric.global_rank} threads {torch.get_num_threads()}\n".encode())  # one write: no interleaving
 """)
 
 
