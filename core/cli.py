@@ -36,8 +36,10 @@ class FabricFlags:
             build = f"torch {torch.__version__}, {build}"
             raise ValueError(f"--accelerator {self.accelerator}, but {build} sees no CUDA device; "
                              f"use --accelerator cpu or auto")
+        auto_cuda = self.accelerator == "auto" and torch.cuda.is_available()
+        kind = "cuda" if self.accelerator in ("cuda", "gpu") or auto_cuda else "cpu"
         try:
-            check_installed(self.strategy)
+            check_installed(self.strategy, kind)
         except ImportError as error:
             raise ValueError(str(error)) from None
 

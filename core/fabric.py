@@ -55,12 +55,12 @@ class Fabric:
             raise ValueError(f"Unknown accelerator {accelerator!r}. Choose one of: {', '.join(ACCELERATORS)}.")
         if strategy not in STRATEGIES:
             raise ValueError(f"Unknown strategy {strategy!r}. Choose one of: {', '.join(STRATEGIES)}.")
-        validation.check_installed(strategy)
         if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
             raise RuntimeError(f"accelerator={accelerator!r} but no CUDA device is visible to torch. "
                                f"Use accelerator='cpu' (or 'auto').")
         kind = "cuda" if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available()) \
             else "cpu"
+        validation.check_installed(strategy, kind)
         env = launcher.cluster_environment()
         devices = validation.check_devices(devices, kind, env)
         if not isinstance(num_nodes, int) or num_nodes < 1:

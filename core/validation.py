@@ -10,11 +10,13 @@ from torch import nn
 from core.wrappers import FabricModule, FabricOptimizer
 
 
-def check_installed(strategy: str) -> None:
+def check_installed(strategy: str, device_type: str) -> None:
     """DeepSpeed is an optional extra: when it is missing, say so once, before any process is started.
     When it is there, quiet what it brings that no user can act on."""
     if not strategy.startswith("deepspeed"):
         return
+    # DeepSpeed picks its accelerator on import, and warns when it falls back to the CPU by itself
+    os.environ.setdefault("DS_ACCELERATOR", device_type)
     # DeepSpeed imports torch.utils.cpp_extension, which on a machine without CUDA logs "No CUDA runtime is
     # found" once per process: nothing to act on when running on CPU.
     build_log = logging.getLogger("torch.utils.cpp_extension")
