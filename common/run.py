@@ -79,6 +79,7 @@ class RunDir:
     def truncate_metrics(self, step: int) -> None:
         """On resume, drop records written after the checkpoint, so metrics.jsonl has each step once."""
         if self.write:
+            print(f"Resumed {self.path} from step {step}", flush=True)
             kept = [r for r in self.metrics() if r["step"] <= step]
             with open(self.path / "metrics.jsonl", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
