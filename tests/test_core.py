@@ -441,7 +441,9 @@ def test_slurm_and_torchrun_environments_are_detected(monkeypatch):
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
     monkeypatch.setenv("SLURM_JOB_NAME", "train")
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    for key in ("MASTER_ADDR", "MASTER_PORT"):  # cluster_environment sets them: set here first, so teardown drops them
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     env = cluster_environment()
     assert env == {"global_rank": 3, "local_rank": 1, "world_size": 4, "node_rank": 1, "local_world_size": 2}
     assert os.environ["MASTER_ADDR"] == "gpu07"
