@@ -133,6 +133,11 @@ class DeepSpeed(DDP):
                            f"config={{'gradient_clipping': {max_norm}}}) clips the 2-norm of each model's gradients "
                            f"to {max_norm} at every step.")
 
+    def clip_gradients_by_value(self, module, optimizer, clip_val):
+        raise RuntimeError(f"DeepSpeed clips gradients by norm only, inside its engine's step, so "
+                           f"fabric.clip_gradients(clip_val=...) cannot run under it. Clip by norm through the config "
+                           f"instead: Fabric(strategy={self.name!r}, config={{'gradient_clipping': MAX_NORM}}).")
+
     # --- checkpoints ------------------------------------------------------------------------------
     def module_state(self, wrapped):
         return wrapped  # saved by its engine in save_checkpoint

@@ -263,8 +263,7 @@ class Fabric:
             raise ValueError("clip_gradients takes exactly one of clip_val or max_norm.")
         if max_norm is not None:
             return self._strategy.clip_gradients(module, optimizer.optimizer, max_norm, norm_type)
-        self._precision.unscale_gradients(optimizer.optimizer)
-        torch.nn.utils.clip_grad_value_(module.parameters(), clip_val)
+        self._strategy.clip_gradients_by_value(module, optimizer.optimizer, clip_val)
         return None
 
     def autocast(self):

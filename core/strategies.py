@@ -68,6 +68,10 @@ class SingleDevice:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
+    def clip_gradients_by_value(self, module, optimizer, clip_val) -> None:
+        self.precision.unscale_gradients(optimizer)
+        torch.nn.utils.clip_grad_value_(module.parameters(), clip_val)
+
     # collectives: identities on one process
     def barrier(self) -> None:
         pass

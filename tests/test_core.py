@@ -452,3 +452,13 @@ def test_slurm_and_torchrun_environments_are_detected(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert cluster_environment()["world_size"] == 2
+
+
+def test_clip_gradients_by_value_goes_through_the_strategy():
+    fabric = Fabric(accelerator="cpu")
+    model = mlp()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fabric.backward(model(torch.randn(4, 4) * 100).pow(2).sum())
+    assert max(p.grad.abs().max() for p in model.parameters()) > 0.01
+    fabric.clip_gradients(model, optimizer, clip_val=0.01)
+    assert max(p.grad.abs().max() for p in model.parameters()) <= 0.01

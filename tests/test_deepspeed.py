@@ -75,6 +75,8 @@ def test_clip_gradients_says_what_to_set():
     with pytest.raises(RuntimeError, match=r"Fabric\(strategy='deepspeed_stage_2', config=\{'gradient_clipping': "
                                            r"0.5\}\) clips the 2-norm"):
         fabric.strategy.clip_gradients(None, None, max_norm=0.5)
+    with pytest.raises(RuntimeError, match=r"clips gradients by norm only.*config=\{'gradient_clipping': MAX_NORM\}"):
+        fabric.strategy.clip_gradients_by_value(None, None, clip_val=0.5)
 
 
 def test_resume_takes_a_run_directory_or_a_checkpoint_directory(tmp_path):

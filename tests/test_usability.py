@@ -33,7 +33,7 @@ THREADS_PROBE = textwrap.dedent("""
 
     fabric = Fabric(accelerator="cpu", strategy="ddp", devices=2)
     fabric.launch()
-    os.write(1, f"rank {fabric.global_rank} threads {torch.get_num_threads()}\\n".encode())  # one write: no interleaving
+    os.write(1, f"rank {fabric.global_rank} threads {torch.get_num_threads()}\\n".encode())  # one write
 """)
 
 
