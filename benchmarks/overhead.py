@@ -70,8 +70,9 @@ def measure(blocks: int = 30, steps: int = 200) -> dict:
 
 
 def stop_check_cost(steps: int = 2000) -> dict:
-    """What the loops' per-step stop decision (common.run.StopRequests.check) costs: on one process (no
-    reduction), and on 2 gloo processes of 1 thread (one all-reduce of 3 numbers through fabric.all_reduce)."""
+    """What the loops' stop decision (common.run.StopRequests.check) costs per step: on one process (no
+    reduction), and on 2 gloo processes of 1 thread (an all-reduce of 3 numbers through fabric.all_reduce
+    every 10 steps, as the loops do)."""
     import torch.multiprocessing as mp
 
     from common.run import StopRequests

@@ -43,7 +43,8 @@ def run_overhead(quick: bool) -> str:
                 f"\n`import core` {imports['core_s']['median']:.2f} s vs `import torch` "
                 f"{imports['torch_s']['median']:.2f} s: ratio {imports['ratio']:.3f} (target <= 1.10: "
                 f"{_mark(imports['ratio'] <= 1.10)})\n\n"
-                f"The loops' stop decision per step (signals, and every 50 steps the loss): "
+                f"The loops' stop decision, averaged per step (the ranks compare every 10 steps and at each "
+                f"loss check, here every 50 steps): "
                 f"{result['stop_check']['one_process_us']['median']:.1f} us on one process, "
                 f"{result['stop_check']['two_processes_us']['median']:.1f} us on 2 gloo processes "
                 f"(one all-reduce).\n")

@@ -235,6 +235,14 @@ def test_a_stop_asked_on_another_rank_stops_this_one(tmp_path):
     assert not alone.check(7, torch.tensor(1.0), tmp_path / "last.ckpt") and alone.reason is None
 
 
+def test_ranks_compare_every_10_steps_and_at_each_loss_check(tmp_path):
+    compared = []
+    stop = StopRequests(reduce=lambda flags: compared.append(flags) or flags)
+    for step in range(30):
+        stop.check(step, torch.tensor(1.0) if step == 4 else None, tmp_path / "last.ckpt")
+    assert len(compared) == 4  # after steps 4 (a loss), 9, 19 and 29
+
+
 def test_a_nan_on_another_rank_raises_on_this_one(tmp_path):
     stop = StopRequests(reduce=lambda flags: flags + torch.tensor([0.0, 0.0, 1.0]))
     with pytest.raises(FloatingPointError, match="not finite at step 3 .on another process."):
