@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from common.data import download_once
+
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "celeba", "folder", "fake")
 CHANNELS = {"digits": 1, "mnist": 1, "fashion-mnist": 1, "cifar10": 3, "celeba": 3, "folder": 3, "fake": 1}
 
@@ -70,16 +72,17 @@ def _torchvision(name: str, root: Path, image_size: int, train: bool, download: 
         steps.insert(0, _to_rgb)
     transform = transforms.Compose(steps)
     try:
-        if name == "mnist":
-            return datasets.MNIST(root, train=train, download=download, transform=transform)
-        if name == "fashion-mnist":
-            return datasets.FashionMNIST(root, train=train, download=download, transform=transform)
-        if name == "cifar10":
-            return datasets.CIFAR10(root, train=train, download=download, transform=transform)
-        if name == "celeba":
-            return datasets.CelebA(root, split="train" if train else "test", target_type="identity",
-                                   download=download, transform=transform)
-        return datasets.ImageFolder(root, transform=transform)
+        with download_once(root, download):  # the ranks of a run take turns: one fetches
+            if name == "mnist":
+                return datasets.MNIST(root, train=train, download=download, transform=transform)
+            if name == "fashion-mnist":
+                return datasets.FashionMNIST(root, train=train, download=download, transform=transform)
+            if name == "cifar10":
+                return datasets.CIFAR10(root, train=train, download=download, transform=transform)
+            if name == "celeba":
+                return datasets.CelebA(root, split="train" if train else "test", target_type="identity",
+                                       download=download, transform=transform)
+            return datasets.ImageFolder(root, transform=transform)
     except (RuntimeError, OSError) as error:
         failure = download_failure(name, root, _EXPECTED[name], error) if download else None
         if failure is not None:

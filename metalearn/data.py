@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from common.data import download_once
+
 TASKS = ("sinusoid", "digits", "omniglot")
 
 
@@ -81,8 +83,9 @@ def _omniglot_by_class(root: str, background: bool, download: bool) -> torch.Ten
                                 f"omniglot-py/images_background/<alphabet>/<character>/*.png there "
                                 f"(with torchvision's zip files). Pass --download to fetch it.")
     try:
-        dataset = datasets.Omniglot(root, background=background, download=download,
-                                    transform=transforms.Compose([transforms.Resize(28), transforms.ToTensor()]))
+        with download_once(root, download):  # the ranks of a run take turns: one fetches
+            dataset = datasets.Omniglot(root, background=background, download=download,
+                                        transform=transforms.Compose([transforms.Resize(28), transforms.ToTensor()]))
     except (RuntimeError, OSError) as error:
         failure = download_failure("omniglot", root, "omniglot-py/images_background.zip and images_evaluation.zip",
                                    error) if download else None

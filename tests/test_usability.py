@@ -227,3 +227,51 @@ def test_the_readme_commands_include_every_workload_and_torchrun():
     commands = readme_commands()
     assert len(commands) >= 10 and any(c.startswith("torchrun") for c in commands)
     assert {w for w in SHORT if any(f"{w}.train" in c for c in commands)} == set(SHORT)
+
+
+DOWNLOADER = """
+import sys, time
+from pathlib import Path
+from common.data import download_once
+
+root, name = Path(sys.argv[1]), sys.argv[2]
+with download_once(root, download=True):
+    (root / f"{name}.start").write_text(str(time.monotonic()))
+    time.sleep(1.0)  # a download in progress
+    (root / f"{name}.end").write_text(str(time.monotonic()))
+"""
+
+
+def test_processes_downloading_into_one_root_take_turns(tmp_path):
+    script = tmp_path / "downloader.py"
+    script.write_text(DOWNLOADER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    processes = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "data"), name], env=env)
+                 for name in ("a", "b")]
+    assert [p.wait(timeout=60) for p in processes] == [0, 0]
+    spans = sorted((float((tmp_path / "data" / f"{n}.start").read_text()),
+                    float((tmp_path / "data" / f"{n}.end").read_text())) for n in ("a", "b"))
+    assert spans[0][1] <= spans[1][0]  # the second started after the first had finished
+
+
+def test_a_download_runs_inside_the_lock(tmp_path, monkeypatch):
+    import fcntl
+
+    from torchvision import datasets
+
+    held = []
+
+    def mnist(root, **kwargs):
+        held.append(kwargs["download"])
+        lock = open(root / ".download.lock", "w")  # free only if nobody holds it
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append("free")
+        except BlockingIOError:
+            held.append("held")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(datasets, "MNIST", mnist)
+    with pytest.raises((ValueError, FileNotFoundError), match="stop here"):
+        load_images("mnist", str(tmp_path), download=True)
+    assert held == [True, "held"]
