@@ -71,6 +71,7 @@ def main(config: Config) -> dict:
             check_weights(state, state["step"], run.checkpoint)
             run.save_plain(state)
     progress.close()
+    stop.close()
     check_weights(state, state["step"], run.checkpoint)
     run.save_plain(state)
     if stop.reason:

@@ -72,17 +72,23 @@ def parse(config_class, argv=None, prog=None, description=None):
 def cli(main, *config_classes, prog: str, description: str = ""):
     """Run `main(config)` from the command line: bad input (flags, data, checkpoints: ValueError and
     FileNotFoundError) exits with status 2 and one line, a diverged run (FloatingPointError) with 1 and
-    one line; anything else is a bug and keeps its traceback."""
+    one line; anything else is a bug and keeps its traceback. Before such an exit, `config.on_failure()`
+    (where the config has one: core's flags) tells the launcher not to wait for the other ranks."""
     config = parse(merge(*config_classes), prog=prog, description=description)
+    failing = getattr(config, "on_failure", lambda: None)
     try:
         return main(config)
     except (ValueError, FileNotFoundError) as error:
+        failing()
         error_exit(prog, str(error))
     except FloatingPointError as error:  # the run diverged: not misuse, but no traceback is needed either
+        failing()
         sys.stderr.write(f"{prog}: stopped: {error}\n")
         sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C before the training loop, which turns it into a checkpointed stop
-        sys.stderr.write(f"{prog}: interrupted before training started; nothing was saved\n")
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop, which turns it into a checkpointed stop
+        failing()
+        sys.stderr.write(f"{prog}: interrupted outside the training loop; nothing after the last checkpoint "
+                         f"was saved\n")
         sys.exit(130)
 
 
@@ -99,7 +105,7 @@ class RunConfig:
     max_steps: int = flag(1000, "optimizer steps to train for (meta-iterations for metalearn)")
     batch_size: int = flag(64, "examples per step on each process")
     out: str = flag("", "run directory (metrics, checkpoints, plots); default runs/<workload>-<time>")
-    resume: str = flag("", "continue a run exactly: a run directory or a checkpoint file")
+    resume: str = flag("", "continue a run exactly: a run directory, or a checkpoint (a file; DeepSpeed: a folder)")
     checkpoint_every: int = flag(0, "save checkpoints/last.ckpt every N steps (0: only at the end)")
     dataset: str = flag("digits", "dataset name")
     data_root: str = flag("data", "folder that holds (or receives, with --download) the dataset files")

@@ -126,6 +126,9 @@ def resume_path(resume: str) -> Path:
     path = Path(resume)
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints" / "last.ckpt"
+    previous = path.with_name(f".{path.name}.old")  # a DeepSpeed save killed between its two renames
+    if not path.exists() and previous.is_dir():
+        return previous
     if not path.exists():
         raise ValueError(f"--resume {resume}: no checkpoint at {path}")
     return path
@@ -181,8 +184,12 @@ class StopRequests:
         self.every = every
         self.signals = {signal.SIGTERM: 0, signal.SIGINT: 0}  # received by this process
         self.reason = None  # "SIGTERM" or "SIGINT" once the ranks agreed to stop
-        for signum in self.signals:
-            signal.signal(signum, self._handle)
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in self.signals}
+
+    def close(self) -> None:
+        """After the loop: signals act at once again (nothing would check the requests any more)."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
     def _handle(self, signum, frame):
         self.signals[signum] += 1

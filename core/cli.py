@@ -3,6 +3,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core import launcher
 from core.fabric import ACCELERATORS
 from core.precision import PRECISIONS
 from core.strategies import STRATEGIES
@@ -42,6 +43,10 @@ class FabricFlags:
             check_installed(self.strategy, kind)
         except ImportError as error:
             raise ValueError(str(error)) from None
+
+    def on_failure(self) -> None:
+        """Called by the CLI before it exits with an error: this rank's exit must not wait for the others."""
+        launcher.mark_failed()
 
     def fabric_options(self) -> dict:
         devices = int(self.devices) if self.devices.isdigit() else self.devices

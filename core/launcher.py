@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -177,10 +177,10 @@ def _watch_children(children: dict) -> None:
     _children.update(children)
 
     def watch():
-        while not _finished.is_set():
+        while not (_finished.is_set() or _ending.is_set()):
             # a rank that exits non-zero after the ranks agreed to end (a Ctrl-C stop: 130) is no failure
             if any(proc.poll() not in (None, 0) for proc in children.values()) and not _finished.wait(1.0) \
-                    and _report_dead(children):
+                    and not _ending.is_set() and _report_dead(children):
                 _stop(children)
                 os._exit(1)
             if all(proc.poll() == 0 for proc in children.values()):
@@ -191,8 +191,17 @@ def _watch_children(children: dict) -> None:
 
 
 _children: dict = {}  # rank -> Popen, in rank 0 of a re-run command
-_failed = False  # this process raised an exception nobody caught
+_failed = False  # this process is failing: an uncaught exception, or an error the CLI reported (mark_failed)
 _finished = threading.Event()  # every rank reached its exit: the run ended together
+_ending = threading.Event()  # rank 0's exit handler is ending the run: the children it stops are no news
+
+
+def mark_failed() -> None:
+    """Say that this process is about to exit with an error (a one-line CLI error, a diverged run), so
+    that its exit does not wait for the other ranks: they may be blocked in a collective with this one.
+    Rank 0 then stops the other ranks at once; another rank exits, and rank 0 sees it and stops the rest."""
+    global _failed
+    _failed = True
 
 
 def end_run_at_exit(teardown) -> None:
@@ -203,11 +212,12 @@ def end_run_at_exit(teardown) -> None:
     previous_hook = sys.excepthook
 
     def on_error(kind, value, tb):  # an uncaught exception: no rank will meet this one at its exit
-        global _failed
-        _failed = True
+        mark_failed()
+        if _children and _report_dead(_children, wait=2.0):  # the cause: another rank left mid-collective
+            first = (str(value).strip().splitlines() or [""])[0][:200]
+            print(f"[core] rank 0 stopped too ({kind.__name__}: {first})", file=sys.stderr, flush=True)
+            return
         previous_hook(kind, value, tb)
-        if _children:
-            _report_dead(_children, wait=2.0)  # often the cause: another rank died mid-collective
 
     sys.excepthook = on_error
     atexit.register(_end_run, teardown)
@@ -223,6 +233,7 @@ def _end_run(teardown) -> None:
         teardown()
     if not _children:
         return
+    _ending.set()
     if finished:
         _wait_or_stop(_children, float(os.environ.get("CORE_EXIT_TIMEOUT", 5)) * 6)
         return
@@ -241,8 +252,9 @@ def _all_ranks_finished(rank: int) -> bool:
     import torch.distributed as dist
 
     seconds = float(os.environ.get("CORE_EXIT_TIMEOUT", 5)) if rank == 0 else 1800
+    quiet = _stderr_without("monitoredBarrier") if rank == 0 else nullcontext()  # gloo logs each late rank
     try:
-        with _stderr_without("monitoredBarrier"):  # gloo logs each late rank; we name them ourselves
+        with quiet:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds), wait_all_ranks=True)
         return True
     except RuntimeError:

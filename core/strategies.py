@@ -129,7 +129,8 @@ class DDP(SingleDevice):
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
         if not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            # on CUDA, gloo serves CPU tensors beside nccl: the bounded exit barrier (monitored_barrier) needs it
+            backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, rank=self.global_rank, world_size=self.world_size,
                                     device_id=self.device if self.device.type == "cuda" else None)
 

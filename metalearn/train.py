@@ -74,6 +74,7 @@ def main(config: Config) -> dict:
             check_weights(state, state["step"], run.checkpoint)
             fabric.save(run.checkpoint, state)
     progress.close()
+    stop.close()
     check_weights(state, state["step"], run.checkpoint)
     fabric.save(run.checkpoint, state)
     if stop.reason:

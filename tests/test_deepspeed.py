@@ -87,6 +87,10 @@ def test_resume_takes_a_run_directory_or_a_checkpoint_directory(tmp_path):
     (checkpoint / "state.pt").write_bytes(b"")
     assert resume_path(str(tmp_path / "run")) == checkpoint
     assert resume_path(str(checkpoint)) == checkpoint
+    previous = checkpoint.with_name(".last.ckpt.old")  # killed between the save's two renames
+    checkpoint.rename(previous)
+    assert resume_path(str(tmp_path / "run")) == previous
+    previous.rename(checkpoint)
     with pytest.raises(ValueError, match="no checkpoint at"):
         resume_path(str(tmp_path / "elsewhere"))
 

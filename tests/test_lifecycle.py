@@ -136,8 +136,10 @@ def wait_for_training(out: Path, process: subprocess.Popen, timeout: float = 180
 @pytest.mark.parametrize("strategy, signum, target", [
     ("ddp", signal.SIGTERM, "rank 0"), ("ddp", signal.SIGTERM, "rank 1"),
     ("ddp", signal.SIGINT, "rank 0"), ("ddp", signal.SIGINT, "rank 1"),
-    ("fsdp", signal.SIGTERM, "rank 1"), ("fsdp", signal.SIGINT, "rank 0"),
-    ("deepspeed_stage_2", signal.SIGTERM, "rank 0"), ("deepspeed_stage_2", signal.SIGINT, "rank 1")])
+    ("fsdp", signal.SIGTERM, "rank 0"), ("fsdp", signal.SIGTERM, "rank 1"),
+    ("fsdp", signal.SIGINT, "rank 0"), ("fsdp", signal.SIGINT, "rank 1"),
+    ("deepspeed_stage_2", signal.SIGTERM, "rank 0"), ("deepspeed_stage_2", signal.SIGTERM, "rank 1"),
+    ("deepspeed_stage_2", signal.SIGINT, "rank 0"), ("deepspeed_stage_2", signal.SIGINT, "rank 1")])
 def test_a_signal_to_one_rank_stops_every_rank_at_one_step(tmp_path, strategy, signum, target):
     if strategy.startswith("deepspeed"):
         pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
@@ -166,20 +168,65 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step(tmp_path, strategy, s
     assert json.loads((out / "summary.json").read_text())["steps"] == step + 5
 
 
+def ranks_of(process: subprocess.Popen) -> list[int]:
+    """Rank 0's pid and its children's, seen while rank 0 still runs."""
+    seen = set()
+    while process.poll() is None:
+        seen.update(children_of(process.pid))
+        time.sleep(0.02)
+    return [process.pid, *seen]
+
+
 @pytest.mark.multiprocess
 def test_an_error_only_rank_0_sees_ends_every_rank_with_one_line(tmp_path):
     (tmp_path / "a_file").write_text("")
     started = time.monotonic()
     process = start(tmp_path / "a_file" / "run", "--strategy", "ddp")
+    ranks = ranks_of(process)
     _, stderr = process.communicate(timeout=60)
     assert time.monotonic() - started < 20
     assert process.returncode == 2
-    assert "Traceback" not in stderr
-    errors = [line for line in stderr.splitlines() if "error:" in line]
-    assert errors == [f"python -m autoencoder.train: error: cannot write to the run directory "
-                      f"{tmp_path / 'a_file' / 'run'} ({tmp_path / 'a_file'} is a file); pass a writable --out"], stderr
+    assert stderr.strip() == (f"python -m autoencoder.train: error: cannot write to the run directory "
+                              f"{tmp_path / 'a_file' / 'run'} ({tmp_path / 'a_file'} is a file); pass a writable "
+                              f"--out"), stderr
+    assert len(ranks) == 2
     time.sleep(0.5)
-    assert not children_of(process.pid)
+    assert not any(alive(pid) for pid in ranks), "a rank was left behind"
+
+
+ERROR_ON_RANK_1 = """
+import os
+import torch.nn.functional as F
+
+if os.environ.get("RANK") == "1":  # bad input that only rank 1 meets, at its 5th step
+    mse_loss, calls = F.mse_loss, [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise ValueError("rank 1 met bad data")
+        return mse_loss(*args, **kwargs)
+
+    F.mse_loss = failing
+"""
+
+
+@pytest.mark.multiprocess
+def test_an_error_only_rank_1_sees_ends_every_rank_within_seconds(tmp_path):
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(ERROR_ON_RANK_1)
+    environment = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hook'}:{ROOT}", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "autoencoder.train", "--strategy", "ddp", "--devices", "2", "--max-steps",
+               "100", "--out", str(tmp_path / "run")]
+    process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    ranks = ranks_of(process)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
+    assert "python -m autoencoder.train: error: rank 1 met bad data" in stderr
+    assert "[core] rank 1 exited with code 2; stopping all ranks." in stderr
+    time.sleep(0.5)
+    assert not any(alive(pid) for pid in ranks), "a rank was left behind"
 
 
 NAN_ON_RANK_1 = """
@@ -278,4 +325,13 @@ def test_ctrl_c_before_training_is_one_line(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli(main, RunConfig, prog="python -m gan.train")
     assert exit_.value.code == 130
-    assert capsys.readouterr().err == "python -m gan.train: interrupted before training started; nothing was saved\n"
+    assert capsys.readouterr().err == ("python -m gan.train: interrupted outside the training loop; nothing after "
+                                       "the last checkpoint was saved\n")
+
+
+def test_signals_act_at_once_again_after_the_loop(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopRequests()
+    assert signal.getsignal(signal.SIGTERM) == stop._handle
+    stop.close()
+    assert signal.getsignal(signal.SIGTERM) == before and signal.getsignal(signal.SIGINT) != stop._handle
