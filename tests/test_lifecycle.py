@@ -211,15 +211,20 @@ if os.environ.get("RANK") == "1":  # bad input that only rank 1 meets, at its 5t
 """
 
 
-@pytest.mark.multiprocess
-def test_an_error_only_rank_1_sees_ends_every_rank_within_seconds(tmp_path):
+def start_with_hook(tmp_path: Path, hook: str, *args: str) -> subprocess.Popen:
+    """The autoencoder under ddp on 2 processes, with `hook` run first in each (as sitecustomize)."""
     (tmp_path / "hook").mkdir()
-    (tmp_path / "hook" / "sitecustomize.py").write_text(ERROR_ON_RANK_1)
+    (tmp_path / "hook" / "sitecustomize.py").write_text(hook)
     environment = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hook'}:{ROOT}", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "autoencoder.train", "--strategy", "ddp", "--devices", "2", "--max-steps",
-               "100", "--out", str(tmp_path / "run")]
-    process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+               "100", "--out", str(tmp_path / "run"), *args]
+    return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+@pytest.mark.multiprocess
+def test_an_error_only_rank_1_sees_ends_every_rank_within_seconds(tmp_path):
+    process = start_with_hook(tmp_path, ERROR_ON_RANK_1)
     ranks = ranks_of(process)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
@@ -248,15 +253,11 @@ if os.environ.get("RANK") == "1":  # rank 1's loss turns NaN at its 25th step; r
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_nan_on_one_rank_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
-    (tmp_path / "hook").mkdir()
-    (tmp_path / "hook" / "sitecustomize.py").write_text(NAN_ON_RANK_1)
-    environment = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hook'}:{ROOT}", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "autoencoder.train", "--strategy", "ddp", "--devices", "2", "--max-steps",
-               "100", "--log-every", "1", "--checkpoint-every", "20", "--out", str(tmp_path / "run")]
-    result = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    assert "the loss is not finite at step 24" in result.stderr
+    process = start_with_hook(tmp_path, NAN_ON_RANK_1, "--log-every", "1", "--checkpoint-every", "20")
+    _, stderr = process.communicate(timeout=180)
+    assert process.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert "the loss is not finite at step 24" in stderr
     state = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert state["step"] == 20
     assert all(torch.isfinite(value).all() for value in state["model"].values())
