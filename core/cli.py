@@ -7,7 +7,7 @@ from core import launcher
 from core.fabric import ACCELERATORS
 from core.precision import PRECISIONS
 from core.strategies import STRATEGIES
-from core.validation import check_installed
+from core.validation import check_installed, device_kind
 
 # ddp_spawn runs a function in new processes (fabric.launch(fn)); the scripts run top to bottom after a
 # plain fabric.launch(), which re-runs the command for the other ranks, so the flag does not offer it.
@@ -37,10 +37,8 @@ class FabricFlags:
             build = f"torch {torch.__version__}, {build}"
             raise ValueError(f"--accelerator {self.accelerator}, but {build} sees no CUDA device; "
                              f"use --accelerator cpu or auto")
-        auto_cuda = self.accelerator == "auto" and torch.cuda.is_available()
-        kind = "cuda" if self.accelerator in ("cuda", "gpu") or auto_cuda else "cpu"
         try:
-            check_installed(self.strategy, kind)
+            check_installed(self.strategy, device_kind(self.accelerator))
         except ImportError as error:
             raise ValueError(str(error)) from None
 

@@ -58,8 +58,7 @@ class Fabric:
         if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
             raise RuntimeError(f"accelerator={accelerator!r} but no CUDA device is visible to torch. "
                                f"Use accelerator='cpu' (or 'auto').")
-        kind = "cuda" if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available()) \
-            else "cpu"
+        kind = validation.device_kind(accelerator)
         validation.check_installed(strategy, kind)
         env = launcher.cluster_environment()
         devices = validation.check_devices(devices, kind, env)

@@ -177,10 +177,12 @@ def _watch_children(children: dict) -> None:
     _children.update(children)
 
     def watch():
-        while not (_finished.is_set() or _ending.is_set()):
-            # a rank that exits non-zero after the ranks agreed to end (a Ctrl-C stop: 130) is no failure
-            if any(proc.poll() not in (None, 0) for proc in children.values()) and not _finished.wait(1.0) \
-                    and not _ending.is_set() and _report_dead(children):
+        # Once rank 0's exit handler runs, it decides. A rank leaves the end-of-run barrier only after rank 0
+        # reached it, so _ending is read after the exit is seen: a rank that left the barrier and exited
+        # non-zero (a Ctrl-C stop: 130) is no failure.
+        while not _ending.is_set():
+            exited = any(proc.poll() not in (None, 0) for proc in children.values())
+            if exited and not _ending.is_set() and _report_dead(children):
                 _stop(children)
                 os._exit(1)
             if all(proc.poll() == 0 for proc in children.values()):
@@ -192,8 +194,7 @@ def _watch_children(children: dict) -> None:
 
 _children: dict = {}  # rank -> Popen, in rank 0 of a re-run command
 _failed = False  # this process is failing: an uncaught exception, or an error the CLI reported (mark_failed)
-_finished = threading.Event()  # every rank reached its exit: the run ended together
-_ending = threading.Event()  # rank 0's exit handler is ending the run: the children it stops are no news
+_ending = threading.Event()  # rank 0's exit handler is ending the run: the watcher leaves the children to it
 
 
 def mark_failed() -> None:
@@ -226,19 +227,18 @@ def end_run_at_exit(teardown) -> None:
 def _end_run(teardown) -> None:
     import torch.distributed as dist
 
+    _ending.set()
     rank = dist.get_rank() if dist.is_initialized() else 0
     finished = not _failed and dist.is_initialized() and _all_ranks_finished(rank)
     if finished:
-        _finished.set()
         teardown()
     if not _children:
         return
-    _ending.set()
     if finished:
         _wait_or_stop(_children, float(os.environ.get("CORE_EXIT_TIMEOUT", 5)) * 6)
         return
     running = [r for r, proc in _children.items() if proc.poll() is None]
-    if running and not _failed:
+    if not _failed and not _report_dead(_children) and running:
         print(f"[core] rank 0 is exiting before rank(s) {', '.join(map(str, running))} finished; stopping them.",
               file=sys.stderr, flush=True)
     _stop(_children, grace=2)

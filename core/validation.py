@@ -10,6 +10,12 @@ from torch import nn
 from core.wrappers import FabricModule, FabricOptimizer
 
 
+def device_kind(accelerator: str) -> str:
+    """'cuda' or 'cpu' for an accelerator name ('auto': cuda when torch sees a GPU)."""
+    return "cuda" if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available()) \
+        else "cpu"
+
+
 def check_installed(strategy: str, device_type: str) -> None:
     """DeepSpeed is an optional extra: when it is missing, say so once, before any process is started.
     When it is there, quiet what it brings that no user can act on."""
