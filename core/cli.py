@@ -11,7 +11,7 @@ from core.validation import check_installed, device_kind
 
 # ddp_spawn runs a function in new processes (fabric.launch(fn)); the scripts run top to bottom after a
 # plain fabric.launch(), which re-runs the command for the other ranks, so the flag does not offer it.
-SCRIPT_STRATEGIES = tuple(name for name in STRATEGIES if name != "ddp_spawn")
+SCRIPT_STRATEGIES = ("auto", *(name for name in STRATEGIES if name != "ddp_spawn"))
 
 
 @dataclass
@@ -26,7 +26,7 @@ class FabricFlags:
         "help": "processes on this machine (one per GPU, or CPU processes sharing the cores), or auto: one "
                 "per visible GPU with cuda, 1 on cpu, the number started by torchrun or SLURM under them"})
     num_nodes: int = field(default=1, metadata={"help": "machines (more than one needs torchrun or SLURM)"})
-    precision: str = field(default="32-true", metadata={"help": "numeric precision", "choices": PRECISIONS})
+    precision: str = field(default="32-true", metadata={"help": "numeric precision", "choices": tuple(PRECISIONS)})
 
     def check(self):
         parent = getattr(super(), "check", None)  # the workload's Config, merged after this class

@@ -30,10 +30,6 @@ import torch
 from core import checkpoint
 from core.strategies import DDP
 
-_STAGES = {"deepspeed": 2, "deepspeed_stage_1": 1, "deepspeed_stage_2": 2, "deepspeed_stage_3": 3,
-           "deepspeed_stage_2_offload": 2, "deepspeed_stage_3_offload": 3}
-
-
 class DeepSpeed(DDP):
     joint_setup = True
     backward_needs_module = True
@@ -41,11 +37,14 @@ class DeepSpeed(DDP):
     moves_module = False  # the engine places the module
     options_key = None  # DeepSpeed takes its options in the config
 
-    def __init__(self, device, precision, name: str = "deepspeed", config=None):
+    def __init__(self, device, precision, stage: int | None = None, offload: bool = False, config=None):
+        """`stage` None takes the stage from the config (2 if it has none); core's STRATEGIES give each
+        `deepspeed_stage_*` name its fixed stage and offload."""
         super().__init__(device, precision)
-        self.name = name
-        self.stage = _STAGES[name]
-        self.offload = name.endswith("_offload")
+        self.fixed_stage = stage is not None
+        self.stage = stage if stage is not None else 2
+        self.offload = offload
+        self.name = f"deepspeed_stage_{stage}{'_offload' if offload else ''}" if stage is not None else "deepspeed"
         if isinstance(config, (str, os.PathLike)):
             try:
                 config = json.loads(Path(config).read_text())
@@ -55,16 +54,15 @@ class DeepSpeed(DDP):
             raise TypeError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}.")
         self.user_config = config
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
-        precision.use_scalers = False  # DeepSpeed scales the loss itself
-        precision.autocast = False  # the engine converts the module to bf16/fp16
-        if precision.precision != "32-true":
-            precision.input_dtype = precision.dtype
         self.config()  # refuse a config that contradicts the strategy's name now, not at setup
+
+    def choose_precision(self, precision):
+        return precision.under_engine()  # the engine converts the module to bf16/fp16 and scales the loss
 
     def config(self) -> dict:
         config = copy.deepcopy(self.user_config) if self.user_config is not None else {}
         zero = config.setdefault("zero_optimization", {})
-        if self.name != "deepspeed" and zero.get("stage", self.stage) != self.stage:
+        if self.fixed_stage and zero.get("stage", self.stage) != self.stage:
             raise ValueError(f"strategy={self.name!r} is ZeRO stage {self.stage}, but the DeepSpeed config sets "
                              f"stage {zero['stage']}. Drop the stage from the config, or use strategy='deepspeed' "
                              f"to take it from the config.")
@@ -80,10 +78,8 @@ class DeepSpeed(DDP):
         config.setdefault("gradient_accumulation_steps", 1)
         config.setdefault("zero_allow_untested_optimizer", True)
         config.setdefault("steps_per_print", 2**31)
-        if self.precision.precision.startswith("bf16"):
-            config.setdefault("bf16", {"enabled": True})
-        elif self.precision.precision == "16-mixed":
-            config.setdefault("fp16", {"enabled": True})
+        for key, value in self.precision.deepspeed_config().items():
+            config.setdefault(key, value)
         return config
 
     def setup_environment(self, env: dict) -> None:

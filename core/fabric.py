@@ -15,25 +15,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from core import checkpoint, launcher, validation
-from core.precision import Precision
+from core.precision import make_precision
 from core.seed import seed_everything
-from core.strategies import DDP, STRATEGIES, SingleDevice, frozen_parameters
+from core.strategies import STRATEGIES, SingleDevice, frozen_parameters, make_strategy
 from core.wrappers import (FabricDataLoader, FabricModule, FabricOptimizer, move_to, shard_loader,
                            wrap_optimizer)
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
-
-
-def _make_strategy(name: str, device: torch.device, precision: Precision, options: dict):
-    if name == "single":
-        return SingleDevice(device, precision, **options)
-    if name in ("ddp", "ddp_spawn"):
-        return DDP(device, precision, **options)
-    if name == "fsdp":
-        from core.fsdp import FSDP
-        return FSDP(device, precision, **options)
-    from core.deepspeed import DeepSpeed  # every remaining name is a deepspeed one
-    return DeepSpeed(device, precision, name, **options)
 
 
 class Fabric:
@@ -41,10 +29,11 @@ class Fabric:
 
     Args:
         accelerator: "cpu", "cuda" (or "gpu"), or "auto" (CUDA when available).
-        strategy: one of STRATEGIES; "auto" is "ddp" for several processes and "single" otherwise.
+        strategy: a name in core.strategies.STRATEGIES; "auto" is "ddp" for several processes and "single"
+            otherwise.
         devices: processes per node (GPUs, or CPU processes), or "auto".
         num_nodes: machines; more than one needs torchrun or SLURM to start the processes.
-        precision: "32-true", "bf16-mixed", "16-mixed" or "bf16-true".
+        precision: a name in core.precision.PRECISIONS: "32-true", "bf16-mixed", "16-mixed" or "bf16-true".
         **strategy_options: defaults for the strategy, e.g. find_unused_parameters=True for ddp,
             reshard_after_forward=False for fsdp, config=dict-or-json-path for deepspeed.
     """
@@ -53,8 +42,8 @@ class Fabric:
                  precision: str = "32-true", **strategy_options):
         if accelerator not in ACCELERATORS:
             raise ValueError(f"Unknown accelerator {accelerator!r}. Choose one of: {', '.join(ACCELERATORS)}.")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"Unknown strategy {strategy!r}. Choose one of: {', '.join(STRATEGIES)}.")
+        if strategy != "auto" and strategy not in STRATEGIES:
+            raise ValueError(f"Unknown strategy {strategy!r}. Choose one of: {', '.join(['auto', *STRATEGIES])}.")
         if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
             raise RuntimeError(f"accelerator={accelerator!r} but no CUDA device is visible to torch. "
                                f"Use accelerator='cpu' (or 'auto').")
@@ -72,9 +61,8 @@ class Fabric:
         self._strategy_name = strategy
         self._devices, self._num_nodes = devices, num_nodes
         device = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
-        self._precision = Precision(precision, device)
-        self._strategy = _make_strategy(strategy, device, self._precision, strategy_options)
-        self._strategy.check_precision(precision)
+        self._strategy = make_strategy(strategy, device, make_precision(precision, device), strategy_options)
+        self._precision = self._strategy.precision  # the strategy's variant of the mode
         self._launched = False
         self._set_up_modules = weakref.WeakSet()
         self._set_up_optimizers = weakref.WeakSet()
@@ -82,7 +70,7 @@ class Fabric:
         self._optimizers_of = {}  # id(FabricModule) -> its wrapped optimizers
         self._modules = []  # FabricModules, in setup order
         # backward is loss.backward() when neither a loss scaler nor an engine is involved
-        self._plain_backward = not self._strategy.backward_needs_module and not self._precision.use_scalers
+        self._plain_backward = not self._strategy.backward_needs_module
 
     def __getstate__(self):  # ddp_spawn sends the Fabric to new processes; weak sets do not pickle
         state = self.__dict__.copy()
@@ -98,9 +86,10 @@ class Fabric:
         """Start the processes of the run. With `fn`, run `fn(fabric, *args)` and return its result."""
         if self._launched:
             raise RuntimeError("fabric.launch() was called twice; call it once, at the start of the run.")
-        if self._strategy_name == "ddp_spawn":
+        if self._strategy.spawn:
             if fn is None:
-                raise ValueError("strategy='ddp_spawn' runs a function in new processes: call fabric.launch(fn).")
+                raise ValueError(f"strategy={self._strategy_name!r} runs a function in new processes: call "
+                                 f"fabric.launch(fn).")
             self._launched = True
             return launcher.spawn(fn, self._devices, self, args, kwargs)
         if self._strategy.distributed:
@@ -111,7 +100,6 @@ class Fabric:
     def _start_distributed(self, env: dict) -> None:
         self._strategy.setup_environment(env)
         launcher.end_run_at_exit(self._strategy.teardown)
-        self._precision.device_type = self._strategy.device.type
         self._launched = True
 
     def _check_launched(self) -> None:
@@ -224,6 +212,7 @@ class Fabric:
         self._set_up_optimizers.add(optimizer)
         self._precision.add_optimizer(optimizer)
         strategy, precision = self._strategy, self._precision
+        self._plain_backward = self._plain_backward and not precision.scalers
         if type(strategy).optimizer_step is SingleDevice.optimizer_step and id(optimizer) not in precision.scalers:
             step = optimizer.step  # nothing to add on the way
         else:

@@ -28,10 +28,9 @@ class FSDP(DDP):
         self.cpu_offload = cpu_offload
         self._mesh = None
 
-    def check_precision(self, precision: str) -> None:
-        if precision == "16-mixed":
-            raise ValueError("precision='16-mixed' is not supported with strategy='fsdp' (it would need a sharded "
-                             "loss scaler). Use 'bf16-mixed', 'bf16-true' or '32-true'.")
+    def choose_precision(self, precision):
+        precision.fsdp_policy()  # refuses a mode FSDP cannot run (16-mixed: no sharded loss scaler)
+        return precision
 
     def setup_module(self, module: nn.Module, **kwargs) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -41,8 +40,9 @@ class FSDP(DDP):
             self._mesh = init_device_mesh(self.device.type, (self.world_size,))
         options = {"mesh": self._mesh, "reshard_after_forward": kwargs.pop("reshard_after_forward",
                                                                            self.reshard_after_forward)}
-        if self.precision.precision == "bf16-mixed":
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy = self.precision.fsdp_policy()
+        if policy is not None:
+            options["mp_policy"] = policy
         if kwargs.pop("cpu_offload", self.cpu_offload):
             options["offload_policy"] = CPUOffloadPolicy()
         wrap_modules = tuple(kwargs.pop("wrap_modules", self.wrap_modules))

@@ -1,11 +1,14 @@
-"""Precision modes: autocast, input/output casting, and one loss scaler per optimizer for 16-mixed."""
+"""Precision modes, one class each: what a mode does to the forward, the backward and the optimizer step.
+
+`Precision` is 32-true and the base of every mode: each method is what 32-true does (nothing), and a mode
+overrides only what it changes. A strategy that does part of the work itself asks the mode for its
+variant instead of editing it: FSDP for `fsdp_policy()`, DeepSpeed for `deepspeed_config()` and
+`under_engine()`. PRECISIONS maps each name to its class; a new mode is one class and one entry here
+(or `register_precision(name, cls)` from outside core).
+"""
 from contextlib import nullcontext
 
 import torch
-
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
-_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
-           "bf16-true": torch.bfloat16}
 
 
 def map_nested(data, fn):
@@ -19,7 +22,7 @@ def map_nested(data, fn):
     return fn(data)
 
 
-def _cast_floats(data, dtype):
+def cast_floats(data, dtype):
     """Cast every floating-point tensor inside nested lists, tuples and dicts to `dtype`."""
     def cast(leaf):
         is_other_float = isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != dtype
@@ -28,53 +31,34 @@ def _cast_floats(data, dtype):
 
 
 class Precision:
-    """What a precision string means for forward, backward and the optimizer step.
+    """32-true: float32 everywhere, nothing added, so the single-device fast path stays a plain call."""
 
-    `32-true` does nothing at all, so the single-device fast path stays a plain call. Mixed modes
-    run the forward under `torch.autocast` and hand float32 outputs back; `*-true` modes convert the
-    module and cast float inputs. `16-mixed` keeps one GradScaler per optimizer, so an overflow in
-    one model's backward lowers only that model's loss scale.
-    """
+    name = "32-true"
+    dtype = torch.float32
+    passthrough = True  # forward, backward and step are the user's own calls; a mode that adds work says False
 
-    def __init__(self, precision: str, device: torch.device):
-        if precision not in PRECISIONS:
-            raise ValueError(f"Unknown precision {precision!r}. Choose one of: {', '.join(PRECISIONS)}.")
-        if precision.startswith("bf16") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ValueError(f"precision={precision!r} needs bfloat16, which {torch.cuda.get_device_name(device)}"
-                             " does not support. Use '16-mixed' or '32-true'.")
-        self.precision = precision
+    def __init__(self, device: torch.device):
         self.device_type = device.type
-        self.dtype = _DTYPES[precision]
-        self.mixed = precision.endswith("-mixed")  # float32 outputs
-        self.autocast = self.mixed  # a strategy that converts the module itself turns this off
-        self.input_dtype = self.dtype if precision == "bf16-true" else None
-        self.use_scalers = precision == "16-mixed"  # a strategy with its own loss scaling turns this off
-        self.scalers = {}  # id(optimizer) -> torch.amp.GradScaler, 16-mixed only
-
-    @property
-    def is_default(self) -> bool:
-        return self.precision == "32-true"
+        self.scalers = {}  # id(optimizer) -> torch.amp.GradScaler, for modes that scale the loss
 
     def forward_context(self):
-        return torch.autocast(self.device_type, dtype=self.dtype) if self.autocast else nullcontext()
+        return nullcontext()
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return module.to(self.dtype) if self.precision == "bf16-true" else module
+        return module
 
     def convert_input(self, data):
-        return _cast_floats(data, self.input_dtype) if self.input_dtype is not None else data
+        return data
 
     def convert_output(self, data):
-        return _cast_floats(data, torch.float32) if self.mixed else data
+        return data
 
     def add_optimizer(self, optimizer) -> None:
-        if self.use_scalers:
-            self.scalers[id(optimizer)] = torch.amp.GradScaler(self.device_type)
+        pass
 
-    def scale_loss(self, loss: torch.Tensor, optimizer_id: int | None) -> torch.Tensor:
-        if not self.scalers:
-            return loss
-        return self.scalers[optimizer_id].scale(loss)
+    def scale_loss(self, loss: torch.Tensor, optimizer_id: int) -> torch.Tensor:
+        scaler = self.scalers.get(optimizer_id)
+        return scaler.scale(loss) if scaler is not None else loss
 
     def unscale_gradients(self, optimizer) -> None:
         scaler = self.scalers.get(id(optimizer))
@@ -97,3 +81,123 @@ class Precision:
         scaler = self.scalers.get(id(optimizer))
         if scaler is not None and state:
             scaler.load_state_dict(state)
+
+    # --- what strategies that do part of the work ask for ------------------------------------------
+    def fsdp_policy(self):
+        """FSDP2's MixedPrecisionPolicy for this mode, or None for none."""
+        return None
+
+    def deepspeed_config(self) -> dict:
+        """The DeepSpeed config entries of this mode."""
+        return {}
+
+    def under_engine(self) -> "Precision":
+        """This mode where an engine converts the module and scales the loss itself (DeepSpeed)."""
+        return EnginePrecision(self)
+
+
+def _check_bfloat16(name: str, device: torch.device) -> None:
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise ValueError(f"precision={name!r} needs bfloat16, which {torch.cuda.get_device_name(device)} does not "
+                         f"support natively (emulated bfloat16 is slower than float32). Use '16-mixed' or '32-true'.")
+
+
+class BFloat16Mixed(Precision):
+    """The forward under `torch.autocast` to bfloat16; weights, gradients and outputs stay float32."""
+
+    name = "bf16-mixed"
+    dtype = torch.bfloat16
+    passthrough = False
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        if self.dtype == torch.bfloat16:
+            _check_bfloat16(self.name, device)
+
+    def forward_context(self):
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def convert_output(self, data):
+        return cast_floats(data, torch.float32)
+
+    def fsdp_policy(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+
+    def deepspeed_config(self) -> dict:
+        return {"bf16": {"enabled": True}}
+
+
+class Float16Mixed(BFloat16Mixed):
+    """Autocast to float16, with one GradScaler per optimizer: an overflow in one model's backward
+    lowers only that model's loss scale."""
+
+    name = "16-mixed"
+    dtype = torch.float16
+
+    def add_optimizer(self, optimizer) -> None:
+        self.scalers[id(optimizer)] = torch.amp.GradScaler(self.device_type)
+
+    def fsdp_policy(self):
+        raise ValueError("precision='16-mixed' is not supported with strategy='fsdp' (it would need a sharded loss "
+                         "scaler). Use 'bf16-mixed', 'bf16-true' or '32-true'.")
+
+    def deepspeed_config(self) -> dict:
+        return {"fp16": {"enabled": True}}
+
+
+class BFloat16True(Precision):
+    """The module converted to bfloat16, and float inputs cast to it: half the memory, no float32 copy."""
+
+    name = "bf16-true"
+    dtype = torch.bfloat16
+    passthrough = False
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        _check_bfloat16(self.name, device)
+
+    def convert_module(self, module):
+        return module.to(self.dtype)
+
+    def convert_input(self, data):
+        return cast_floats(data, self.dtype)
+
+    def deepspeed_config(self) -> dict:
+        return {"bf16": {"enabled": True}}
+
+
+class EnginePrecision(Precision):
+    """A mode under an engine that converts the module and scales the loss itself: core only casts the
+    inputs to the module's dtype, and hands mixed modes' outputs back in float32."""
+
+    def __init__(self, mode: Precision):
+        super().__init__(torch.device(mode.device_type))
+        self.mode = mode
+        self.name, self.dtype = mode.name, mode.dtype
+        self.passthrough = mode.passthrough
+
+    def convert_input(self, data):
+        return data if self.passthrough else cast_floats(data, self.dtype)
+
+    def convert_output(self, data):
+        return self.mode.convert_output(data)
+
+    def deepspeed_config(self) -> dict:
+        return self.mode.deepspeed_config()
+
+
+PRECISIONS = {mode.name: mode for mode in (Precision, BFloat16Mixed, Float16Mixed, BFloat16True)}
+
+
+def register_precision(name: str, mode: type) -> None:
+    """Make `Fabric(precision=name)` build `mode(device)`, a subclass of Precision."""
+    if not (isinstance(mode, type) and issubclass(mode, Precision)):
+        raise TypeError(f"A precision mode is a subclass of core.precision.Precision, got {mode!r}.")
+    PRECISIONS[name] = mode
+
+
+def make_precision(name: str, device: torch.device) -> Precision:
+    if name not in PRECISIONS:
+        raise ValueError(f"Unknown precision {name!r}. Choose one of: {', '.join(PRECISIONS)}.")
+    return PRECISIONS[name](device)

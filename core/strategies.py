@@ -2,7 +2,10 @@
 
 `SingleDevice` is the base; `DDP` adds a process group and DistributedDataParallel. FSDP and
 DeepSpeed live in `core/fsdp.py` and `core/deepspeed.py` and are imported only when chosen.
+STRATEGIES maps each name to its class and options; a new strategy is one class and one entry there
+(or `register_strategy(name, cls, **options)` from outside core).
 """
+import importlib
 import warnings
 from contextlib import contextmanager, nullcontext
 
@@ -13,14 +16,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from core import checkpoint
 
-STRATEGIES = ("auto", "single", "ddp", "ddp_spawn", "fsdp", "deepspeed", "deepspeed_stage_1",
-              "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_2_offload", "deepspeed_stage_3_offload")
-
-
 class SingleDevice:
     """One process, one device. Every other strategy extends this one."""
 
+    name = "single"  # set to its registry name when made by make_strategy
     distributed = False
+    spawn = False  # True: launch(fn) runs fn in new processes instead of re-running the script
     joint_setup = False  # DeepSpeed needs model and optimizers together
     guard_submodules = False  # a wrapper that syncs gradients, which a child called directly would skip
     moves_module = True  # False where the engine places the module itself
@@ -31,13 +32,15 @@ class SingleDevice:
         if options and not self.distributed:
             raise ValueError(f"Options {sorted(options)} need a distributed strategy; strategy='single' takes none.")
         self.device = device
-        self.precision = precision
+        self.precision = self.choose_precision(precision)
         self.options = options  # defaults for every module; setup(..., ddp={...}) overrides per module
         self.global_rank = self.local_rank = self.node_rank = 0
         self.world_size = 1
 
-    def check_precision(self, precision: str) -> None:
-        """Refuse, with the reason, a precision this strategy cannot run."""
+    def choose_precision(self, precision):
+        """The variant of `precision` this strategy runs (the mode itself, here), or a ValueError saying
+        why it cannot run it."""
+        return precision
 
     def setup_environment(self, env: dict | None) -> None:
         pass
@@ -171,6 +174,54 @@ class DDP(SingleDevice):
     def teardown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class DDPSpawn(DDP):
+    """DDP in processes started by `fabric.launch(fn)` through torch.multiprocessing."""
+
+    spawn = True
+
+
+# name -> (class or "module:Class", options it is made with); the module is imported when the name is chosen
+STRATEGIES = {
+    "single": (SingleDevice, {}),
+    "ddp": (DDP, {}),
+    "ddp_spawn": (DDPSpawn, {}),
+    "fsdp": ("core.fsdp:FSDP", {}),
+    "deepspeed": ("core.deepspeed:DeepSpeed", {"stage": None}),  # the stage from the config, else 2
+    "deepspeed_stage_1": ("core.deepspeed:DeepSpeed", {"stage": 1}),
+    "deepspeed_stage_2": ("core.deepspeed:DeepSpeed", {"stage": 2}),
+    "deepspeed_stage_3": ("core.deepspeed:DeepSpeed", {"stage": 3}),
+    "deepspeed_stage_2_offload": ("core.deepspeed:DeepSpeed", {"stage": 2, "offload": True}),
+    "deepspeed_stage_3_offload": ("core.deepspeed:DeepSpeed", {"stage": 3, "offload": True}),
+}
+
+
+def register_strategy(name: str, strategy, **options) -> None:
+    """Make `Fabric(strategy=name)` build `strategy(device, precision, **options, **user_options)`;
+    `strategy` is a subclass of SingleDevice, or "module:Class" to import when the name is chosen."""
+    if not (isinstance(strategy, str) or isinstance(strategy, type) and issubclass(strategy, SingleDevice)):
+        raise TypeError(f"A strategy is a subclass of core.strategies.SingleDevice (or 'module:Class'), "
+                        f"got {strategy!r}.")
+    if name == "auto":
+        raise ValueError("'auto' is not a strategy's name: it picks single or ddp by the number of processes.")
+    STRATEGIES[name] = (strategy, options)
+
+
+def make_strategy(name: str, device: torch.device, precision, user_options: dict) -> SingleDevice:
+    if name not in STRATEGIES:
+        raise ValueError(f"Unknown strategy {name!r}. Choose one of: {', '.join(['auto', *STRATEGIES])}.")
+    cls, options = STRATEGIES[name]
+    if isinstance(cls, str):
+        module, _, class_name = cls.partition(":")
+        cls = getattr(importlib.import_module(module), class_name)
+    fixed = sorted(set(options) & set(user_options))
+    if fixed:
+        raise ValueError(f"strategy={name!r} sets {fixed} itself; drop them, or choose a strategy whose name does "
+                         f"not fix them.")
+    strategy = cls(device, precision, **options, **user_options)
+    strategy.name = name
+    return strategy
 
 
 @contextmanager

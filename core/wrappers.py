@@ -1,8 +1,10 @@
 """What `Fabric.setup` hands back: a wrapped module, a wrapped optimizer and a wrapped data loader.
 
-Each is thin on purpose: in 32-true on one device, calling the module is calling the original module
-and stepping the optimizer is stepping the original optimizer, so the wrapper costs one Python call.
+Each is thin on purpose: in 32-true on one device, calling the module is nn.Module's call (its hooks)
+of the original module, and stepping the optimizer is stepping the original optimizer.
 """
+import weakref
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
@@ -12,7 +14,8 @@ from core.precision import map_nested
 
 class FabricModule(nn.Module):
     """A set-up module. Calling it runs the strategy wrapper (DDP, DeepSpeed engine, ...) under the
-    precision context; `.module` is the original; `state_dict()` has the original's keys."""
+    precision context; `.module` is the original. To its user it is the original module: hooks
+    registered on it fire, and `state_dict`, `named_parameters`, `.device` and `.dtype` are the original's."""
 
     def __init__(self, forward_module: nn.Module, original_module: nn.Module, precision, guard: bool):
         super().__init__()
@@ -21,47 +24,43 @@ class FabricModule(nn.Module):
         d = self.__dict__  # plain attributes, kept out of nn.Module's bookkeeping for speed
         d["_precision"] = precision
         d["_frozen"] = False
-        # In 32-true on one device there is nothing to add: call the module itself.
-        d["_call"] = forward_module if (precision.is_default and forward_module is original_module
-                                         and not guard) else self._wrapped_call
-        # Guards on the children while the wrapper is not running; lifted during its forward, where a
-        # hook on every child call would cost time (a lot of it inside torch.func transforms).
-        d["_guards"] = [(child, _SubmoduleGuard(self, name)) for name, child in original_module.named_children()
-                        ] if guard else []
-        d["_guard_handles"] = []
-        self._raise_guards()
-
-    def _raise_guards(self):
-        self.__dict__["_guard_handles"] = [child.register_forward_pre_hook(hook) for child, hook in self._guards]
-
-    def _lower_guards(self):
-        for handle in self._guard_handles:
-            handle.remove()
-
-    def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
+        d["_running"] = 0  # > 0 while this wrapper's own forward runs (the guards let children be called)
+        if precision.passthrough and forward_module is original_module and not guard:
+            # 32-true on one device: nothing to add, so nn.Module.__call__ (hooks included) calls the module
+            d["forward"] = forward_module
+        if guard:
+            for name, child in original_module.named_children():
+                _SubmoduleGuard(self, name, child)
 
     def forward(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
-
-    def _wrapped_call(self, *args, **kwargs):
         precision = self._precision
         args, kwargs = precision.convert_input((args, kwargs))
         target = self._original_module if self._frozen else self._forward_module
-        guarded = bool(self._guard_handles)
-        if guarded:
-            self._lower_guards()
+        d = self.__dict__
+        d["_running"] += 1
         try:
             with precision.forward_context():
                 output = target(*args, **kwargs)
         finally:
-            if guarded:
-                self._raise_guards()
+            d["_running"] -= 1
         return precision.convert_output(output)
 
     @property
     def module(self) -> nn.Module:
         return self._original_module
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the module's first parameter or buffer (CPU for a module with neither)."""
+        tensor = next(self._original_module.parameters(), None)
+        if tensor is None:
+            tensor = next(self._original_module.buffers(), None)
+        return tensor.device if tensor is not None else torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the module's first floating-point parameter (float32 for a module with none)."""
+        return next((p.dtype for p in self._original_module.parameters() if p.is_floating_point()), torch.float32)
 
     def mark_forward_method(self, name: str) -> None:
         """Route `wrapped.<name>(...)` through the strategy wrapper, like a call of the module."""
@@ -76,11 +75,15 @@ class FabricModule(nn.Module):
 
         def call(*args, **kwargs):
             original = self._original_module
-            original.forward = method  # the instance attribute shadows the class's forward once
+
+            def once(*inner_args, **inner_kwargs):
+                del original.forward  # inside the method, `self(...)` is the module's own forward again
+                return method(*inner_args, **inner_kwargs)
+            original.forward = once  # the strategy wrapper calls the module, which runs `once` as its forward
             try:
-                return self._wrapped_call(*args, **kwargs)
+                return FabricModule.forward(self, *args, **kwargs)
             finally:
-                del original.forward
+                original.__dict__.pop("forward", None)
         return call
 
     def __getattr__(self, name: str):
@@ -95,23 +98,37 @@ class FabricModule(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._original_module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._original_module.named_buffers(prefix, recurse, remove_duplicate)
+
 
 class _SubmoduleGuard:
     """Forward pre-hook on each child of a module wrapped for gradient sync: a child called outside
     the wrapper (`ae.encoder(x)`) while gradients are recorded would silently skip the sync."""
 
-    def __init__(self, wrapper: FabricModule, name: str):
-        self.wrapper, self.name = wrapper, name
+    def __init__(self, wrapper: FabricModule, name: str, child: nn.Module):
+        self.wrapper, self.name = weakref.ref(wrapper), name  # the child must not keep the wrapper alive
+        self.handle = child.register_forward_pre_hook(self)
 
     def __call__(self, module, args):
-        if torch.is_grad_enabled():  # the wrapper lifts this hook while its own forward runs
-            kind = type(self.wrapper._original_module).__name__
-            raise RuntimeError(
-                f"Submodule {self.name!r} of the set-up {kind} was called outside its distributed wrapper "
-                f"(as `model.{self.name}(x)`, or inside a method that is not marked), so its gradients "
-                f"would not be synchronised across processes. Call the set-up model itself, or route the "
-                f"method through the wrapper with `model.mark_forward_method('name')`. Calls under "
-                f"`torch.no_grad()` are allowed.")
+        wrapper = self.wrapper()
+        if wrapper is None:  # the set-up module is gone; the original is a plain module again
+            self.handle.remove()
+            return
+        # allowed: inside the wrapper's forward, without gradients, and in backward (activation
+        # checkpointing runs the child's forward again there)
+        if wrapper.__dict__["_running"] or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return
+        kind = type(wrapper._original_module).__name__
+        raise RuntimeError(
+            f"Submodule {self.name!r} of the set-up {kind} was called outside its distributed wrapper "
+            f"(as `model.{self.name}(x)`, or inside a method that is not marked), so its gradients "
+            f"would not be synchronised across processes. Call the set-up model itself, or route the "
+            f"method through the wrapper with `model.mark_forward_method('name')`. Calls under "
+            f"`torch.no_grad()` are allowed.")
 
 
 class FabricOptimizer:

@@ -91,6 +91,9 @@ def _submodule_calls(fabric):
     # encode() leaves the decoder unused, which DDP must be told about, for this model only
     model, _ = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), ddp={"find_unused_parameters": True})
     x = torch.full((3, 4), float(fabric.global_rank + 1))
+    outputs = []
+    model.register_forward_hook(lambda module, args, output: outputs.append(output))
+    fabric.backward(model(x).sum())  # the guard lets the children run inside the DDP wrapper's forward
     try:
         model.encoder(x)
         direct = "no error"
@@ -101,13 +104,18 @@ def _submodule_calls(fabric):
     model.mark_forward_method("encode")
     fabric.backward(model.encode(x).sum())
     grads = fabric.all_gather(model.module.encoder.weight.grad)
-    return {"direct": direct, "encode_synced": bool(torch.equal(grads[0], grads[1]))}
+    return {"direct": direct, "encode_synced": bool(torch.equal(grads[0], grads[1])), "hook_calls": len(outputs),
+            "names": [name for name, _ in model.named_parameters()], "device": str(model.device)}
 
 
 def test_ddp_reports_a_submodule_called_outside_the_wrapper():
+    """...and the DDP-wrapped module still reads as the original: its hooks fire, its names are the original's."""
     result = Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_submodule_calls)
     assert "Submodule 'encoder' of the set-up Grouped was called outside its distributed wrapper" in result["direct"]
     assert result["encode_synced"]
+    assert result["hook_calls"] == 1  # model(x) fires it; the marked encode() is not forward
+    assert result["names"] == ["encoder.weight", "encoder.bias", "decoder.weight", "decoder.bias"]
+    assert result["device"] == "cpu"
 
 
 def test_module_without_trainable_parameters_is_not_wrapped_in_ddp():

@@ -1,0 +1,162 @@
+"""core's seams: a set-up module is an nn.Module to its user (hooks, device, dtype, names), the
+submodule guard, and new precisions and strategies added through their registries."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from core import Fabric
+from core import precision as precisions
+from core import strategies
+from core.wrappers import FabricModule
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+    def generate(self, x, steps: int = 2):  # a method that calls the module itself, like nanoGPT's
+        for _ in range(steps):
+            x = torch.cat([x[:, 2:], self(x)], dim=1)
+        return x
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_hooks_on_the_set_up_module_fire(precision):
+    model = Fabric(accelerator="cpu", precision=precision).setup(Net())
+    seen = []
+    pre = model.register_forward_pre_hook(lambda module, args: seen.append(("pre", module)))
+    post = model.register_forward_hook(lambda module, args, output: seen.append(("post", output.dtype)))
+    model(torch.randn(3, 4))
+    assert seen == [("pre", model), ("post", torch.float32)]
+    pre.remove(), post.remove()
+    model(torch.randn(3, 4))
+    assert len(seen) == 2
+
+
+def test_set_up_module_reads_as_the_original():
+    original = Net()
+    model = Fabric(accelerator="cpu", precision="bf16-true").setup(original)
+    assert isinstance(model, nn.Module) and model.module is original
+    assert [name for name, _ in model.named_parameters()] == [name for name, _ in original.named_parameters()]
+    assert [name for name, _ in model.named_buffers()] == ["calls"]
+    assert list(model.state_dict()) == list(original.state_dict())
+    assert model.device == torch.device("cpu") and model.dtype == torch.bfloat16
+    assert sum(p.numel() for p in model.parameters()) == 4 * 8 + 8 + 8 * 2 + 2
+
+
+def test_marked_method_that_calls_the_module_itself():
+    model = Fabric(accelerator="cpu", precision="bf16-mixed").setup(Net())
+    model.mark_forward_method("generate")
+    x = torch.randn(3, 4)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model.module.generate(x)
+    assert torch.equal(model.generate(x), expected.float())
+    assert "forward" not in model.module.__dict__  # the redirection is undone
+
+
+def guarded(module: nn.Module) -> FabricModule:
+    """A module wrapped the way DDP's is (a separate forward module, the guard on), without processes."""
+    forward_module = nn.Sequential(module)  # stands in for DistributedDataParallel(module)
+    return FabricModule(forward_module, module, precisions.Precision(torch.device("cpu")), guard=True)
+
+
+def test_guard_refuses_a_child_called_outside_and_allows_the_rest():
+    model = guarded(Net())
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        model(x).sum().backward()  # children called inside the wrapper's forward: allowed
+    assert len(model.module.body._forward_pre_hooks) == 1  # one hook, registered once
+    with pytest.raises(RuntimeError, match="Submodule 'body' of the set-up Net was called outside"):
+        model.module.body(x)
+    with torch.no_grad():
+        model.module.body(x)  # no gradients to synchronise
+    model.mark_forward_method("generate")
+    model.generate(x).sum().backward()
+
+
+def test_guard_allows_activation_checkpointing_to_recompute_a_child():
+    class Checkpointed(Net):
+        def forward(self, x):
+            return self.head(checkpoint(self.body, x, use_reentrant=False))
+
+    model = guarded(Checkpointed())
+    model(torch.randn(3, 4)).sum().backward()  # backward runs body's forward again, outside the wrapper
+    assert model.module.body.weight.grad is not None
+
+
+def test_guard_leaves_with_its_wrapper():
+    original = Net()
+    model = guarded(original)
+    del model
+    original.body(torch.randn(3, 4))  # a plain module again
+    assert not original.body._forward_pre_hooks
+
+
+# --- registries ----------------------------------------------------------------------------------
+class Float64True(precisions.Precision):
+    """A toy mode: the module and float inputs in float64."""
+    name, dtype, passthrough = "64-true", torch.float64, False
+
+    def convert_module(self, module):
+        return module.double()
+
+    def convert_input(self, data):
+        return precisions.cast_floats(data, torch.float64)
+
+
+def test_a_precision_added_through_the_registry(monkeypatch):
+    monkeypatch.setitem(precisions.PRECISIONS, "64-true", Float64True)  # what register_precision does, undone after
+    fabric = Fabric(accelerator="cpu", precision="64-true")
+    model = fabric.setup(Net())
+    assert model.module.body.weight.dtype == torch.float64
+    assert model(torch.randn(3, 4)).dtype == torch.float64
+    with pytest.raises(TypeError, match="subclass of core.precision.Precision"):
+        precisions.register_precision("broken", object)
+    with pytest.raises(ValueError, match="Unknown precision '65-true'. Choose one of: 32-true, .*64-true"):
+        Fabric(accelerator="cpu", precision="65-true")
+
+
+class CountingSteps(strategies.SingleDevice):
+    """A toy strategy: the single-device one that counts optimizer steps."""
+
+    def __init__(self, device, precision, start: int = 0):
+        super().__init__(device, precision)
+        self.steps = start
+
+    def optimizer_step(self, optimizer, module, **kwargs):
+        self.steps += 1
+        return super().optimizer_step(optimizer, module, **kwargs)
+
+
+def test_a_strategy_added_through_the_registry(monkeypatch):
+    monkeypatch.setitem(strategies.STRATEGIES, "counting", (CountingSteps, {"start": 10}))
+    fabric = Fabric(accelerator="cpu", strategy="counting")
+    model = Net()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    plain = Net()
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    for net, opt, backward in ((model, optimizer, fabric.backward), (plain, plain_optimizer, torch.Tensor.backward)):
+        for _ in range(2):
+            opt.zero_grad()
+            backward(F.mse_loss(net(x), y))
+            opt.step()
+    assert fabric.strategy.steps == 12 and fabric.strategy.name == "counting"
+    assert torch.equal(model.module.head.weight, plain.head.weight)
+    with pytest.raises(ValueError, match=r"strategy='counting' sets \['start'\] itself"):
+        Fabric(accelerator="cpu", strategy="counting", start=3)
+    with pytest.raises(TypeError, match="subclass of core.strategies.SingleDevice"):
+        strategies.register_strategy("broken", nn.Linear)
+    strategies.register_strategy("counting_from_5", CountingSteps, start=5)
+    try:
+        assert Fabric(accelerator="cpu", strategy="counting_from_5").strategy.steps == 5
+    finally:
+        del strategies.STRATEGIES["counting_from_5"]
