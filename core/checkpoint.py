@@ -46,8 +46,9 @@ def save_checkpoint(state: dict, path) -> None:
     atomic_save({"format": FORMAT, "version": 1, "state": state}, path)
 
 
-def load_checkpoint(path) -> dict:
-    """Read a checkpoint written by `save_checkpoint`; every failure is a CheckpointError that says why."""
+def load_checkpoint(path, raw: bool = False) -> dict:
+    """Read a checkpoint written by `save_checkpoint`; every failure is a CheckpointError that says why.
+    `raw=True` also takes any dict that `torch.save` wrote (a bare state dict, Lightning's Fabric.save)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"No checkpoint file at {path}" + (" (it is a directory)" if path.is_dir() else "") + ".")
@@ -71,6 +72,8 @@ def load_checkpoint(path) -> dict:
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as error:
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt: {error}). "
                               f"Resume from an earlier checkpoint.") from None
+    if raw and isinstance(data, dict) and data.get("format") != FORMAT:
+        return data
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} was not written by core's Fabric.save (no {FORMAT!r} marker). Load it "
                               f"with torch.load and copy the tensors into your model yourself.")
@@ -134,22 +137,27 @@ def collect(state: dict, strategy, precision, module_of: dict) -> dict:
     return {key: state_of(value) for key, value in state.items()}
 
 
-def restore(saved: dict, state: dict, strategy, precision, module_of: dict, path, strict: bool) -> dict:
+def restore(saved: dict, state: dict, strategy, precision, module_of: dict, path, strict: bool,
+            raw: bool = False) -> dict:
     """Load `saved` into `state`'s objects in place and its plain values into `state`; return what `saved`
-    holds beyond `state`."""
+    holds beyond `state`. `raw`: `saved` holds bare state dicts (an optimizer's without its loss scale)."""
     missing = [key for key in state if key not in saved]
     if missing and strict:
-        raise CheckpointError(f"The checkpoint {path} has no {missing} (it holds {sorted(saved)}). "
-                              f"Pass strict=False to load what is there.")
+        held = sorted(map(str, saved))
+        shown = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
+        raise CheckpointError(f"The checkpoint {path} has no {missing} (it holds {shown}). Pass strict=False to "
+                              f"load what is there; a bare state dict (torch.save(model.state_dict())) loads with "
+                              f"fabric.load_raw(path, model).")
     for key, value in state.items():
         if key not in saved:
             continue
         if isinstance(value, FabricModule):
             strategy.load_module_state(value, saved[key], strict, key, path)
         elif isinstance(value, FabricOptimizer):
-            strategy.load_optimizer_state(value.optimizer, module_of[id(value)], saved[key]["optimizer"])
+            entry = {"optimizer": saved[key], "scaler": None} if raw or "optimizer" not in saved[key] else saved[key]
+            strategy.load_optimizer_state(value.optimizer, module_of[id(value)], entry["optimizer"])
             value.__dict__.update(state=value.optimizer.state, param_groups=value.optimizer.param_groups)
-            precision.load_state_dict(value.optimizer, saved[key]["scaler"])
+            precision.load_state_dict(value.optimizer, entry["scaler"])
         elif isinstance(value, torch.nn.Module):
             check_state_dict(value, saved[key], key, strict)
             value.load_state_dict(saved[key], strict=strict)

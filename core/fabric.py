@@ -15,11 +15,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from core import checkpoint, launcher, validation
-from core.precision import make_precision
-from core.seed import seed_everything
+from core.precision import map_nested, make_precision
+from core.seed import WorkerSeeder, global_seed, seed_everything, seed_workers
 from core.strategies import STRATEGIES, SingleDevice, frozen_parameters, make_strategy
-from core.wrappers import (FabricDataLoader, FabricModule, FabricOptimizer, move_to, shard_loader,
-                           wrap_optimizer)
+from core.wrappers import (FabricDataLoader, FabricModule, FabricOptimizer, BackwardState, compile_like, move_to,
+                           SkipInit, rebuild_loader, shard_loader, unwrap_compiled, wrap_optimizer)
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 
@@ -27,19 +27,32 @@ ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 class Fabric:
     """Moves models to the device, applies precision, wraps them for a strategy and wraps their optimizers.
 
-    Args:
-        accelerator: "cpu", "cuda" (or "gpu"), or "auto" (CUDA when available).
-        strategy: a name in core.strategies.STRATEGIES; "auto" is "ddp" for several processes and "single"
-            otherwise.
-        devices: processes per node (GPUs, or CPU processes), or "auto".
-        num_nodes: machines; more than one needs torchrun or SLURM to start the processes.
-        precision: a name in core.precision.PRECISIONS: "32-true", "bf16-mixed", "16-mixed" or "bf16-true".
+    Args (each of the first five, when not given, is read from the environment that Lightning's `fabric run`
+    sets, LT_ACCELERATOR ... LT_PRECISION, else takes its default):
+        accelerator: "cpu", "cuda" (or "gpu"), or "auto" (CUDA when available; the default).
+        strategy: a name in core.strategies.STRATEGIES; "auto" (the default) is "ddp" for several processes
+            and "single" otherwise.
+        devices: processes per node (GPUs, or CPU processes), or "auto" (the default).
+        num_nodes: machines (default 1); more than one needs torchrun, SLURM or `fabric run` to start the processes.
+        precision: a name in core.precision.PRECISIONS ("32-true", the default, "bf16-mixed", "16-mixed",
+            "bf16-true", "16-true", "64-true") or one of Lightning's aliases ("bf16", "16", 32, ...).
+        callbacks: objects (or one) whose methods `fabric.call(name, ...)` calls.
+        loggers: loggers (or one) that `fabric.log` and `fabric.log_dict` write to, e.g. core.loggers.CSVLogger.
         **strategy_options: defaults for the strategy, e.g. find_unused_parameters=True for ddp,
             reshard_after_forward=False for fsdp, config=dict-or-json-path for deepspeed.
     """
 
-    def __init__(self, accelerator: str = "auto", strategy: str = "auto", devices="auto", num_nodes: int = 1,
-                 precision: str = "32-true", **strategy_options):
+    def __init__(self, accelerator: str | None = None, strategy: str | None = None, devices=None,
+                 num_nodes: int | None = None, precision=None, plugins=None, callbacks=None, loggers=None,
+                 **strategy_options):
+        accelerator = launcher.from_cli("accelerator", accelerator, "auto")
+        strategy = launcher.from_cli("strategy", strategy, "auto")
+        devices = launcher.from_cli("devices", devices, "auto")
+        num_nodes = launcher.from_cli("num_nodes", num_nodes, 1)
+        precision = launcher.from_cli("precision", precision, "32-true")
+        if plugins is not None:
+            raise ValueError("core takes no plugins: precision is chosen by name (precision='bf16-mixed'), the cluster "
+                             "environment is read from torchrun or SLURM, and checkpoints are core's own.")
         if accelerator not in ACCELERATORS:
             raise ValueError(f"Unknown accelerator {accelerator!r}. Choose one of: {', '.join(ACCELERATORS)}.")
         if strategy != "auto" and strategy not in STRATEGIES:
@@ -51,6 +64,8 @@ class Fabric:
         validation.check_installed(strategy, kind)
         env = launcher.cluster_environment()
         devices = validation.check_devices(devices, kind, env)
+        if isinstance(num_nodes, str) and num_nodes.isdigit():
+            num_nodes = int(num_nodes)
         if not isinstance(num_nodes, int) or num_nodes < 1:
             raise ValueError(f"num_nodes must be a whole number >= 1, got {num_nodes!r}.")
         if strategy == "auto":
@@ -63,14 +78,27 @@ class Fabric:
         device = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
         self._strategy = make_strategy(strategy, device, make_precision(precision, device), strategy_options)
         self._precision = self._strategy.precision  # the strategy's variant of the mode
+        if self._strategy.distributed:  # known before launch, as Lightning reports them
+            self._strategy.world_size = devices * num_nodes
+            if env:
+                self._strategy.global_rank, self._strategy.local_rank = env["global_rank"], env["local_rank"]
+                self._strategy.node_rank = env["node_rank"]
+        self._callbacks = _as_list(callbacks)
+        self._loggers = _as_list(loggers)
         self._launched = False
         self._set_up_modules = weakref.WeakSet()
         self._set_up_optimizers = weakref.WeakSet()
         self._module_of = {}  # id(wrapped optimizer) -> its FabricModule, for checkpoints and loss scaling
         self._optimizers_of = {}  # id(FabricModule) -> its wrapped optimizers
         self._modules = []  # FabricModules, in setup order
-        # backward is loss.backward() when neither a loss scaler nor an engine is involved
+        # backward is loss.backward() when neither a loss scaler nor an engine is involved; where one is, the
+        # set-up modules' outputs refuse a plain loss.backward()
         self._plain_backward = not self._strategy.backward_needs_module
+        self._backward = BackwardState(required=not self._plain_backward)
+        if launcher.started_by_cli():  # `fabric run` started every process: connect them now, as Lightning does
+            if self._strategy.distributed:
+                self._start_distributed(launcher.start(devices, num_nodes))
+            self._launched = True
 
     def __getstate__(self):  # ddp_spawn sends the Fabric to new processes; weak sets do not pickle
         state = self.__dict__.copy()
@@ -84,6 +112,9 @@ class Fabric:
     # --- launching --------------------------------------------------------------------------------
     def launch(self, fn=None, *args, **kwargs):
         """Start the processes of the run. With `fn`, run `fn(fabric, *args)` and return its result."""
+        if launcher.started_by_cli():
+            raise RuntimeError("This script was started by `fabric run`, which started every process already; "
+                               "remove the fabric.launch() call (or run the script with python instead).")
         if self._launched:
             raise RuntimeError("fabric.launch() was called twice; call it once, at the start of the run.")
         if self._strategy.spawn:
@@ -125,10 +156,11 @@ class Fabric:
             raise ValueError("A scheduler was passed to setup without any optimizer; pass the optimizer it "
                              "schedules too: setup(model, optimizer, scheduler=scheduler).")
         validation.check_ownership(module, optimizers)
+        module, compiled = unwrap_compiled(module)
         module = self._prepare(module, move_to_device)
         forward_module, optimizers = self._strategy.setup_module_and_optimizers(
             module, list(optimizers), **self._module_options(module_options))
-        wrapped = self._register_module(forward_module, module)
+        wrapped = self._register_module(forward_module, module, compiled)
         wrapped_optimizers = [self._register_optimizer(opt, wrapped) for opt in optimizers]
         outputs = [wrapped, *wrapped_optimizers] + ([scheduler] if scheduler is not None else [])
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
@@ -138,9 +170,10 @@ class Fabric:
         self._check_launched()
         self._check_split_setup()
         validation.check_module(module, self._set_up_modules)
+        module, compiled = unwrap_compiled(module)
         module = self._prepare(module, move_to_device)
         return self._register_module(self._strategy.setup_module(module, **self._module_options(module_options)),
-                                     module)
+                                     module, compiled)
 
     def _check_split_setup(self) -> None:
         if self._strategy.joint_setup:
@@ -169,9 +202,12 @@ class Fabric:
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
     def setup_dataloaders(self, *dataloaders, use_distributed_sampler: bool = True, move_to_device: bool = True):
-        """Shard each loader across processes (DistributedSampler) and move its batches to the device."""
+        """Shard each loader across processes (DistributedSampler, seeded by seed_everything's seed; any other
+        sampler is shared out by ShardedSampler), move its batches to the device, and with
+        seed_everything(workers=True) seed its workers' `random` and NumPy."""
         if not dataloaders:
             raise ValueError("`setup_dataloaders` requires at least one dataloader.")
+        self._check_launched()
         wrapped = []
         for loader in dataloaders:
             if isinstance(loader, FabricDataLoader):
@@ -179,7 +215,9 @@ class Fabric:
             if not isinstance(loader, DataLoader):
                 raise TypeError(f"setup_dataloaders takes torch DataLoaders, got {type(loader).__name__}.")
             if use_distributed_sampler and self.world_size > 1:
-                loader = shard_loader(loader, self.world_size, self.global_rank)
+                loader = shard_loader(loader, self.world_size, self.global_rank, global_seed())
+            if seed_workers() and loader.num_workers > 0 and not isinstance(loader.worker_init_fn, WorkerSeeder):
+                loader = rebuild_loader(loader, worker_init_fn=WorkerSeeder(self.global_rank, loader.worker_init_fn))
             move = self.to_device if move_to_device and self.device.type != "cpu" else None
             wrapped.append(FabricDataLoader(loader, move))
         return wrapped[0] if len(wrapped) == 1 else wrapped
@@ -201,9 +239,16 @@ class Fabric:
             module = module.to(self.device)
         return self._precision.convert_module(module)
 
-    def _register_module(self, forward_module, module) -> FabricModule:
-        wrapped = FabricModule(forward_module, module, self._precision,
-                               guard=self._strategy.guard_submodules and forward_module is not module)
+    def _register_module(self, forward_module, module, compiled=None) -> FabricModule:
+        """`compiled`: the torch.compile'd module the user passed; the strategy wrapped what it compiled, and
+        the wrapper is compiled again with the same settings (the module itself, where nothing wraps it)."""
+        guard = self._strategy.guard_submodules and forward_module is not module
+        if compiled is not None:
+            if not self._strategy.moves_module:
+                raise ValueError(f"strategy={self._strategy_name!r} runs the module inside its engine, which "
+                                 f"torch.compile cannot wrap from outside; set up the uncompiled module.")
+            forward_module = compiled if forward_module is module else compile_like(forward_module, compiled)
+        wrapped = FabricModule(forward_module, module, self._precision, guard=guard, backward_state=self._backward)
         self._modules.append(wrapped)
         self._optimizers_of[id(wrapped)] = []
         return wrapped
@@ -213,6 +258,7 @@ class Fabric:
         self._precision.add_optimizer(optimizer)
         strategy, precision = self._strategy, self._precision
         self._plain_backward = self._plain_backward and not precision.scalers
+        self._backward.required = not self._plain_backward
         if type(strategy).optimizer_step is SingleDevice.optimizer_step and id(optimizer) not in precision.scalers:
             step = optimizer.step  # nothing to add on the way
         else:
@@ -230,6 +276,13 @@ class Fabric:
         strategy needs to know (DeepSpeed engines, 16-mixed scalers) and the graph alone does not say."""
         if self._plain_backward:
             return tensor.backward(*args, **kwargs)
+        self._backward.active = True
+        try:
+            self._backward_through_strategy(tensor, args, kwargs, model)
+        finally:
+            self._backward.active = False
+
+    def _backward_through_strategy(self, tensor, args, kwargs, model) -> None:
         needs_owner = self._strategy.backward_needs_module or len(self._precision.scalers) > 1
         if not needs_owner:
             if self._precision.scalers:
@@ -301,15 +354,61 @@ class Fabric:
     def broadcast(self, obj, src: int = 0):
         return self._strategy.broadcast(obj, src)
 
-    def all_reduce(self, data, reduce_op: str = "mean"):
-        if reduce_op not in ("mean", "sum"):
-            raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}.")
-        tensor = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=torch.float64)
-        return self._strategy.all_reduce(tensor.to(self.device), reduce_op)
+    @contextmanager
+    def rank_zero_first(self, local: bool = False):
+        """Run the block on rank 0 (each node's local rank 0 with `local=True`) first, then on the other ranks,
+        e.g. a download into a shared directory."""
+        first = (self.local_rank if local else self.global_rank) == 0
+        if not first:
+            self.barrier()
+        yield
+        if first:
+            self.barrier()
 
-    def all_gather(self, data):
-        tensor = data if isinstance(data, torch.Tensor) else torch.tensor(data)
-        return self._strategy.all_gather(tensor.to(self.device))
+    def all_reduce(self, data, group=None, reduce_op="mean"):
+        """Reduce a tensor, a number, or every tensor and number inside lists, tuples and dicts, across
+        processes: reduce_op "mean" (or "avg"), "sum", "max", "min", "product", or a torch ReduceOp."""
+        op = validation.reduce_op(reduce_op)
+        return map_nested(self._tensors_on_device(data), lambda t: self._strategy.all_reduce(t, op, group))
+
+    def all_gather(self, data, group=None, sync_grads: bool = False):
+        """Gather a tensor (or every tensor in a collection) from every process: shape (world_size, *shape);
+        on one process the data as it is. `sync_grads=True` lets gradients flow back through the gather."""
+        return map_nested(self._tensors_on_device(data), lambda t: self._strategy.all_gather(t, group, sync_grads))
+
+    def _tensors_on_device(self, data):
+        return map_nested(data, lambda leaf: leaf.to(self.device) if isinstance(leaf, torch.Tensor) else
+                          torch.as_tensor(leaf, device=self.device) if isinstance(leaf, (int, float)) else leaf)
+
+    # --- loggers and callbacks ---------------------------------------------------------------------
+    @property
+    def loggers(self) -> list:
+        return self._loggers
+
+    @property
+    def logger(self):
+        """The first logger (Lightning's convention), or None."""
+        return self._loggers[0] if self._loggers else None
+
+    def log(self, name: str, value, step: int | None = None) -> None:
+        self.log_dict({name: value}, step=step)
+
+    def log_dict(self, metrics: dict, step: int | None = None) -> None:
+        """Write metrics (tensors become numbers) to every logger; each logger writes on rank 0 only."""
+        metrics = map_nested(metrics, lambda v: v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
+        for logger in self._loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def call(self, hook_name: str, *args, **kwargs) -> None:
+        """Call `hook_name(*args, **kwargs)` on every callback that has it; keyword arguments a callback's
+        method does not take are left out for that callback."""
+        for callback in self._callbacks:
+            method = getattr(callback, hook_name, None)
+            if method is None:
+                continue
+            if not callable(method):
+                raise TypeError(f"Callback {type(callback).__name__}.{hook_name} is not callable.")
+            method(*args, **validation.accepted_kwargs(method, kwargs))
 
     @property
     def device(self) -> torch.device:
@@ -350,8 +449,35 @@ class Fabric:
 
     def load(self, path, state: dict | None = None, strict: bool = True) -> dict:
         """Restore `state`'s modules and optimizers in place, and its plain values; return what the
-        checkpoint holds beyond `state` (everything, when `state` is None)."""
+        checkpoint holds beyond `state` (everything, when `state` is None). Reads what Fabric.save wrote
+        (core's or Lightning's) and any dict of state dicts saved with torch.save."""
         saved = self._strategy.load_checkpoint(path)
         if state is None:
             return saved
         return checkpoint.restore(saved, state, self._strategy, self._precision, self._module_of, path, strict)
+
+    def load_raw(self, path, obj, strict: bool = True) -> None:
+        """Load a bare state dict saved with `torch.save(module.state_dict())` (or an optimizer's) into a
+        module or optimizer, set up or not."""
+        raw = checkpoint.load_checkpoint(path, raw=True)
+        checkpoint.restore({"obj": raw}, {"obj": obj}, self._strategy, self._precision, self._module_of, path, strict,
+                           raw=True)
+
+    # --- building models --------------------------------------------------------------------------------
+    @contextmanager
+    def init_module(self, empty_init: bool | None = None):
+        """Create modules inside this block directly on the device and, for the *-true precisions, in their
+        dtype, instead of on the CPU in float32 first. `empty_init=True` skips the initialisation of weights
+        that a checkpoint will overwrite."""
+        self._check_launched()
+        device = self.device if self._strategy.moves_module else torch.device("cpu")
+        with ExitStack() as stack:
+            stack.enter_context(device)
+            stack.enter_context(self._precision.init_context())
+            if empty_init:
+                stack.enter_context(SkipInit())
+            yield
+
+
+def _as_list(items) -> list:
+    return [] if items is None else list(items) if isinstance(items, (list, tuple)) else [items]

@@ -41,6 +41,25 @@ def cluster_environment() -> dict | None:
     return None
 
 
+def started_by_cli() -> bool:
+    """True when Lightning's `fabric run` started this process (it sets LT_CLI_USED=1 and starts the ranks)."""
+    return os.environ.get("LT_CLI_USED") == "1"
+
+
+def from_cli(name: str, given, default):
+    """A Fabric argument: as given, else from `fabric run`'s environment (LT_<NAME>), else `default`. A value
+    given in the code that contradicts `fabric run`'s command line is an error, not a silent choice of one."""
+    value = os.environ.get(f"LT_{name.upper()}")
+    if given is not None and str(given) == str(default):
+        given = None  # the default written out is not a choice that could contradict the command line
+    if value is None or (given is not None and not started_by_cli()):
+        return default if given is None else given
+    if given is not None and str(given) != value:
+        raise ValueError(f"The code has Fabric({name}={given!r}) but the command line gives --{name.replace('_', '-')}="
+                         f"{value}. Remove one of them.")
+    return value
+
+
 def start(devices: int, num_nodes: int) -> dict:
     """This process's ranks for a run of `devices` processes on each of `num_nodes` machines: from torchrun or
     SLURM when they started it, else from re-running the script for ranks 1..devices-1 on this machine."""

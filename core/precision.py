@@ -6,7 +6,7 @@ variant instead of editing it: FSDP for `fsdp_policy()`, DeepSpeed for `deepspee
 `under_engine()`. PRECISIONS maps each name to its class; a new mode is one class and one entry here
 (or `register_precision(name, cls)` from outside core).
 """
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -42,6 +42,10 @@ class Precision:
         self.scalers = {}  # id(optimizer) -> torch.amp.GradScaler, for modes that scale the loss
 
     def forward_context(self):
+        return nullcontext()
+
+    def init_context(self):
+        """Within: new modules are created the way convert_module would leave them (Fabric.init_module)."""
         return nullcontext()
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -146,16 +150,10 @@ class Float16Mixed(BFloat16Mixed):
         return {"fp16": {"enabled": True}}
 
 
-class BFloat16True(Precision):
-    """The module converted to bfloat16, and float inputs cast to it: half the memory, no float32 copy."""
+class TruePrecision(Precision):
+    """The module converted to `dtype`, and float inputs cast to it: no float32 copy of anything."""
 
-    name = "bf16-true"
-    dtype = torch.bfloat16
     passthrough = False
-
-    def __init__(self, device: torch.device):
-        super().__init__(device)
-        _check_bfloat16(self.name, device)
 
     def convert_module(self, module):
         return module.to(self.dtype)
@@ -163,8 +161,46 @@ class BFloat16True(Precision):
     def convert_input(self, data):
         return cast_floats(data, self.dtype)
 
+    @contextmanager
+    def init_context(self):
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(default)
+
+
+class BFloat16True(TruePrecision):
+    name = "bf16-true"
+    dtype = torch.bfloat16
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        _check_bfloat16(self.name, device)
+
     def deepspeed_config(self) -> dict:
         return {"bf16": {"enabled": True}}
+
+
+class Float16True(TruePrecision):
+    """No loss scaling: small gradients may underflow to zero."""
+
+    name = "16-true"
+    dtype = torch.float16
+
+    def deepspeed_config(self) -> dict:
+        return {"fp16": {"enabled": True}}
+
+
+class Float64True(TruePrecision):
+    """For numerical checks, not speed."""
+
+    name = "64-true"
+    dtype = torch.float64
+
+    def deepspeed_config(self) -> dict:
+        raise ValueError("DeepSpeed has no float64 mode. Use precision='32-true' (or a bf16/16 mode) under deepspeed.")
 
 
 class EnginePrecision(Precision):
@@ -187,7 +223,9 @@ class EnginePrecision(Precision):
         return self.mode.deepspeed_config()
 
 
-PRECISIONS = {mode.name: mode for mode in (Precision, BFloat16Mixed, Float16Mixed, BFloat16True)}
+PRECISIONS = {mode.name: mode for mode in (Precision, BFloat16Mixed, Float16Mixed, BFloat16True, Float16True,
+                                           Float64True)}
+ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's older names
 
 
 def register_precision(name: str, mode: type) -> None:
@@ -197,7 +235,12 @@ def register_precision(name: str, mode: type) -> None:
     PRECISIONS[name] = mode
 
 
-def make_precision(name: str, device: torch.device) -> Precision:
-    if name not in PRECISIONS:
-        raise ValueError(f"Unknown precision {name!r}. Choose one of: {', '.join(PRECISIONS)}.")
+def make_precision(name, device: torch.device) -> Precision:
+    """The mode named `name` (a name in PRECISIONS, an alias in ALIASES, or the int 16, 32 or 64)."""
+    if isinstance(name, int) and not isinstance(name, bool):
+        name = str(name)
+    name = ALIASES.get(name, name) if isinstance(name, str) else name
+    if not isinstance(name, str) or name not in PRECISIONS:
+        raise ValueError(f"Unknown precision {name!r}. Choose one of: {', '.join(PRECISIONS)} (or the aliases "
+                         f"{', '.join(ALIASES)}, also as ints).")
     return PRECISIONS[name](device)

@@ -1,20 +1,55 @@
-"""Seeding every random number generator a training script touches."""
+"""Seeding every random number generator a training script touches, in its processes and data workers."""
 import os
 import random
 
+import numpy
 import torch
 
+SEED_VARIABLE, WORKERS_VARIABLE = "PL_GLOBAL_SEED", "PL_SEED_WORKERS"  # Lightning's names, so either seeds the other
 
-def seed_everything(seed: int) -> int:
-    """Seed Python's `random`, NumPy and torch (all devices); return the seed."""
+
+def seed_everything(seed: int | None = None, workers: bool = False) -> int:
+    """Seed Python's `random`, NumPy and torch (all devices); return the seed. `seed=None` takes the seed a
+    launcher or an earlier call left in the environment (PL_GLOBAL_SEED), else 0. The seed is also what
+    `setup_dataloaders` gives the DistributedSampler it injects; with `workers=True` each data-loader worker
+    of a set-up loader seeds `random`, NumPy and torch from (torch's seed for that worker, its rank)."""
+    if seed is None:
+        seed = int(os.environ.get(SEED_VARIABLE, 0))
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}.")
-    os.environ["PYTHONHASHSEED"] = str(seed)
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
+    os.environ["PYTHONHASHSEED"] = os.environ[SEED_VARIABLE] = str(seed)
+    os.environ[WORKERS_VARIABLE] = str(int(workers))
     random.seed(seed)
+    numpy.random.seed(seed)
     torch.manual_seed(seed)
-    try:
-        import numpy
-        numpy.random.seed(seed % 2**32)
-    except ImportError:
-        pass
     return seed
+
+
+def global_seed() -> int:
+    """The seed given to seed_everything (in this process or the launcher's), else 0."""
+    return int(os.environ.get(SEED_VARIABLE, 0))
+
+
+def seed_workers() -> bool:
+    return os.environ.get(WORKERS_VARIABLE) == "1"
+
+
+class WorkerSeeder:
+    """A DataLoader `worker_init_fn` that mixes the rank into each worker's seeds. torch seeds `random`, NumPy
+    and torch in each worker from the loader's base seed and the worker's id, but the ranks of a DDP run draw
+    the same base seed from the same seeded generator, so without the rank their workers would apply the
+    same random augmentations to their different shares of the data."""
+
+    def __init__(self, rank: int, user_init=None):
+        self.rank, self.user_init = rank, user_init
+
+    def __call__(self, worker_id: int) -> None:
+        sequence = numpy.random.SeedSequence([torch.initial_seed() % 2**64, self.rank])  # torch's seed: per worker
+        torch_seed, random_seed, numpy_seed = sequence.generate_state(3, dtype=numpy.uint64)
+        torch.manual_seed(int(torch_seed))
+        random.seed(int(random_seed))
+        numpy.random.seed(int(numpy_seed) % 2**32)
+        if self.user_init is not None:
+            self.user_init(worker_id)

@@ -6,6 +6,7 @@ STRATEGIES maps each name to its class and options; a new strategy is one class 
 (or `register_strategy(name, cls, **options)` from outside core).
 """
 import importlib
+import inspect
 import warnings
 from contextlib import contextmanager, nullcontext
 
@@ -30,7 +31,11 @@ class SingleDevice:
 
     def __init__(self, device: torch.device, precision, **options):
         if options and not self.distributed:
-            raise ValueError(f"Options {sorted(options)} need a distributed strategy; strategy='single' takes none.")
+            raise TypeError(f"Fabric() got unknown argument(s) {sorted(options)}. It takes accelerator, strategy, "
+                            f"devices, num_nodes, precision, plugins, callbacks and loggers; other keywords are "
+                            f"options of a distributed strategy (ddp: DistributedDataParallel's arguments; fsdp: "
+                            f"wrap_modules, reshard_after_forward, cpu_offload; deepspeed: config), and this run's "
+                            f"strategy, single, takes none.")
         self.device = device
         self.precision = self.choose_precision(precision)
         self.options = options  # defaults for every module; setup(..., ddp={...}) overrides per module
@@ -79,11 +84,11 @@ class SingleDevice:
     def barrier(self) -> None:
         pass
 
-    def all_reduce(self, tensor, op: str):
+    def all_reduce(self, tensor, op, group=None):
         return tensor
 
-    def all_gather(self, tensor):
-        return tensor.unsqueeze(0)
+    def all_gather(self, tensor, group=None, sync_grads: bool = False):
+        return tensor
 
     def broadcast(self, obj, src: int = 0):
         return obj
@@ -95,7 +100,7 @@ class SingleDevice:
         self.barrier()
 
     def load_checkpoint(self, path) -> dict:
-        return checkpoint.load_checkpoint(path)
+        return checkpoint.load_checkpoint(path, raw=True)
 
     def module_state(self, wrapped) -> dict:
         return wrapped.module.state_dict()
@@ -125,6 +130,19 @@ class DDP(SingleDevice):
     guard_submodules = True
     options_key = "ddp"
 
+    def __init__(self, device, precision, **options):
+        super().__init__(device, precision, **options)
+        self._check_ddp_options(options, "Fabric()")
+
+    @staticmethod
+    def _check_ddp_options(options: dict, where: str) -> None:
+        accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module",
+                                                                                          "device_ids"}
+        unknown = sorted(set(options) - accepted)
+        if unknown:
+            raise TypeError(f"{where} got {unknown}, which DistributedDataParallel does not take. Its options: "
+                            f"{', '.join(sorted(accepted))}.")
+
     def setup_environment(self, env: dict) -> None:
         self.global_rank, self.local_rank = env["global_rank"], env["local_rank"]
         self.world_size, self.node_rank = env["world_size"], env["node_rank"]
@@ -140,6 +158,7 @@ class DDP(SingleDevice):
     def setup_module(self, module: nn.Module, **kwargs) -> nn.Module:
         if not any(p.requires_grad for p in module.parameters()):
             return module  # nothing to synchronise; DDP would refuse it
+        self._check_ddp_options(kwargs, "setup(..., ddp={...})")
         options = {**self.options, **kwargs}
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         with warnings.catch_warnings():
@@ -156,14 +175,17 @@ class DDP(SingleDevice):
     def barrier(self) -> None:
         dist.barrier()
 
-    def all_reduce(self, tensor, op: str):
+    def all_reduce(self, tensor, op, group=None):
+        """`op`: a torch ReduceOp, or "mean" (a sum divided by the number of processes)."""
         tensor = tensor.clone()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor / self.world_size if op == "mean" else tensor
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "mean" else op, group=group)
+        return tensor / dist.get_world_size(group) if op == "mean" else tensor
 
-    def all_gather(self, tensor):
-        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(gathered, tensor.contiguous())
+    def all_gather(self, tensor, group=None, sync_grads: bool = False):
+        if sync_grads:
+            return _GatherWithGradients.apply(tensor, group)
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, tensor.contiguous(), group=group)
         return torch.stack(gathered)
 
     def broadcast(self, obj, src: int = 0):
@@ -174,6 +196,23 @@ class DDP(SingleDevice):
     def teardown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _GatherWithGradients(torch.autograd.Function):
+    """all_gather whose backward hands each rank the summed gradient of its own slice."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, tensor.contiguous(), group=group)
+        return torch.stack(gathered)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
 
 
 class DDPSpawn(DDP):
@@ -219,6 +258,13 @@ def make_strategy(name: str, device: torch.device, precision, user_options: dict
     if fixed:
         raise ValueError(f"strategy={name!r} sets {fixed} itself; drop them, or choose a strategy whose name does "
                          f"not fix them.")
+    parameters = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        takes = sorted(set(parameters) - {"self", "device", "precision"} - set(options))
+        unknown = sorted(set(user_options) - set(takes))
+        if unknown:
+            raise TypeError(f"Fabric() got {unknown}, which strategy={name!r} does not take. Its options: "
+                            f"{', '.join(takes) or 'none'}.")
     strategy = cls(device, precision, **options, **user_options)
     strategy.name = name
     return strategy

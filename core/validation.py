@@ -110,3 +110,25 @@ def module_of_loss(loss: torch.Tensor, modules: list) -> FabricModule:
     raise ValueError(f"Cannot tell which set-up model this loss is for: it reaches the parameters of {names}. "
                      f"Pass it: `fabric.backward(loss, model=generator)`, or exclude the other model with "
                      f"`with fabric.frozen(discriminator): ...` around its forward.")
+
+
+def reduce_op(op):
+    """A reduce_op argument as a torch ReduceOp, or "mean"."""
+    import torch.distributed as dist
+    if isinstance(op, dist.ReduceOp) or type(op).__name__ == "RedOpType":
+        return op
+    names = {"mean": "mean", "avg": "mean", "sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+    if not isinstance(op, str) or op.lower() not in names:
+        raise ValueError(f"reduce_op must be one of {', '.join(names)} or a torch.distributed.ReduceOp, got {op!r}.")
+    name = names[op.lower()]
+    return "mean" if name == "mean" else getattr(dist.ReduceOp, name)
+
+
+def accepted_kwargs(method, kwargs: dict) -> dict:
+    """The part of `kwargs` that `method` takes (all of it when it takes **kwargs)."""
+    import inspect
+    parameters = inspect.signature(method).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return kwargs
+    names = {p.name for p in parameters}
+    return {key: value for key, value in kwargs.items() if key in names}

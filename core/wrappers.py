@@ -12,12 +12,31 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from core.precision import map_nested
 
 
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")  # a LightningModule's
+
+
+class BackwardState:
+    """Shared by a Fabric and its set-up modules: whether a plain `loss.backward()` would skip work that
+    `fabric.backward` does (an engine's backward, a loss scaler), and whether fabric.backward is running."""
+
+    def __init__(self, required: bool = False):
+        self.required, self.active = required, False
+
+    def check(self, grad):
+        if not self.active:
+            raise RuntimeError("loss.backward() was called where this strategy or precision needs "
+                               "fabric.backward(loss) (DeepSpeed's engine runs the backward, 16-mixed scales the "
+                               "loss). Replace loss.backward() with fabric.backward(loss).")
+        return grad
+
+
 class FabricModule(nn.Module):
     """A set-up module. Calling it runs the strategy wrapper (DDP, DeepSpeed engine, ...) under the
     precision context; `.module` is the original. To its user it is the original module: hooks
     registered on it fire, and `state_dict`, `named_parameters`, `.device` and `.dtype` are the original's."""
 
-    def __init__(self, forward_module: nn.Module, original_module: nn.Module, precision, guard: bool):
+    def __init__(self, forward_module: nn.Module, original_module: nn.Module, precision, guard: bool,
+                 backward_state: BackwardState | None = None):
         super().__init__()
         self._forward_module = forward_module
         self._original_module = original_module
@@ -25,12 +44,16 @@ class FabricModule(nn.Module):
         d["_precision"] = precision
         d["_frozen"] = False
         d["_running"] = 0  # > 0 while this wrapper's own forward runs (the guards let children be called)
+        d["_backward_state"] = backward_state
         if precision.passthrough and forward_module is original_module and not guard:
             # 32-true on one device: nothing to add, so nn.Module.__call__ (hooks included) calls the module
             d["forward"] = forward_module
         if guard:
             for name, child in original_module.named_children():
                 _SubmoduleGuard(self, name, child)
+        for name in STEP_METHODS:  # a LightningModule-style step runs the model: route it like forward
+            if callable(getattr(type(original_module), name, None)):
+                self.mark_forward_method(name)
 
     def forward(self, *args, **kwargs):
         precision = self._precision
@@ -43,6 +66,10 @@ class FabricModule(nn.Module):
                 output = target(*args, **kwargs)
         finally:
             d["_running"] -= 1
+        state = self._backward_state
+        if state is not None and state.required and torch.is_grad_enabled():
+            map_nested(output, lambda t: t.register_hook(state.check)
+                       if isinstance(t, torch.Tensor) and t.requires_grad else None)
         return precision.convert_output(output)
 
     @property
@@ -208,30 +235,94 @@ class FabricDataLoader:
         return getattr(self._loader, name)
 
 
-def shard_loader(loader: DataLoader, world_size: int, rank: int) -> DataLoader:
-    """The same loader with a DistributedSampler that gives this rank its share (seed and shuffle kept)."""
+def shard_loader(loader: DataLoader, world_size: int, rank: int, seed: int) -> DataLoader:
+    """The same loader with a sampler that gives this rank its share. A Random or Sequential sampler becomes a
+    DistributedSampler (shuffle kept; seeded by the loader's generator, else `seed`); any other sampler is
+    drawn whole each pass and shared out (ShardedSampler)."""
     sampler = loader.sampler
     if isinstance(sampler, DistributedSampler):
         if sampler.num_replicas == world_size and sampler.rank == rank:
             return loader
-        shuffle, seed = sampler.shuffle, sampler.seed
+        new_sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank, shuffle=sampler.shuffle,
+                                         seed=sampler.seed, drop_last=loader.drop_last)
     elif isinstance(sampler, (RandomSampler, SequentialSampler)):
-        shuffle = isinstance(sampler, RandomSampler)
-        seed = loader.generator.initial_seed() if loader.generator is not None else 0
+        seed = loader.generator.initial_seed() if loader.generator is not None else seed
+        new_sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
+                                         shuffle=isinstance(sampler, RandomSampler), seed=seed,
+                                         drop_last=loader.drop_last)
     else:
-        raise ValueError(f"setup_dataloaders cannot shard a {type(sampler).__name__}: pass "
-                         f"use_distributed_sampler=False and give each process its own part of the data.")
+        new_sampler = ShardedSampler(sampler, world_size, rank, loader.drop_last)
     if loader.batch_size is None:
         raise ValueError("setup_dataloaders cannot shard a loader built with batch_sampler: build it with "
                          "batch_size, or pass use_distributed_sampler=False and shard it yourself.")
-    new_sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
-                                     shuffle=shuffle, seed=seed, drop_last=loader.drop_last)
+    return rebuild_loader(loader, sampler=new_sampler)
+
+
+def rebuild_loader(loader: DataLoader, **changes) -> DataLoader:
+    """A DataLoader like `loader` with `changes` (sampler, worker_init_fn) applied."""
     extra = {"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}
-    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=new_sampler,
-                      num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                      pin_memory=loader.pin_memory, drop_last=loader.drop_last, timeout=loader.timeout,
-                      worker_init_fn=loader.worker_init_fn, generator=loader.generator,
-                      persistent_workers=loader.persistent_workers, **extra)
+    options = dict(batch_size=loader.batch_size, sampler=loader.sampler, num_workers=loader.num_workers,
+                   collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+                   timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+                   persistent_workers=loader.persistent_workers, **extra)
+    if loader.batch_size is None:  # a batch_sampler carries the batching and the order
+        options.update(batch_sampler=loader.batch_sampler, batch_size=1, sampler=None, drop_last=False)
+    options.update(changes)
+    return DataLoader(loader.dataset, **options)
+
+
+class _Positions:
+    """Stands in for a dataset of len(sampler) items, so DistributedSampler can share out positions."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def __len__(self):
+        return len(self.sampler)
+
+
+class ShardedSampler(DistributedSampler):
+    """Any sampler (SubsetRandomSampler, WeightedRandomSampler, your own) shared out across ranks: each pass
+    draws the sampler's whole order once, and this rank takes every world_size-th entry of it, padded or
+    dropped as DistributedSampler does. The ranks agree when the sampler draws the same order on each (seed
+    it, e.g. with seed_everything before the loop)."""
+
+    def __init__(self, sampler, num_replicas: int, rank: int, drop_last: bool = False):
+        super().__init__(_Positions(sampler), num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=drop_last)
+        self.sampler = sampler
+
+    def __iter__(self):
+        order = list(self.sampler)
+        return (order[position] for position in super().__iter__())
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+
+class SkipInit(torch.overrides.TorchFunctionMode):
+    """Within: torch.nn.init functions leave tensors as they are (uninitialised), for weights that a
+    checkpoint will overwrite (Fabric.init_module(empty_init=True))."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs.get("tensor")
+        return func(*args, **(kwargs or {}))
+
+
+def unwrap_compiled(module: nn.Module):
+    """(the module inside a `torch.compile`d one, the compiled one), or (module, None) for a plain module."""
+    if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
+        return module._orig_mod, module
+    return module, None
+
+
+def compile_like(module: nn.Module, compiled: nn.Module) -> nn.Module:
+    """`module` compiled with the settings (backend, mode, dynamic, fullgraph) of `compiled`, so that the
+    strategy's wrapper is what torch.compile traces."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    return OptimizedModule(module, compiled.dynamo_ctx)
 
 
 def move_to(obj, device: torch.device):

@@ -1,0 +1,101 @@
+"""Loggers for `Fabric(loggers=...)`: `fabric.log_dict(metrics, step)` calls `log_metrics` on each.
+
+Both write on rank 0 only and follow Lightning's logger interface (`log_metrics`, `log_hyperparams`,
+`save`, `finalize`, `log_dir`), so a Lightning logger can stand in for either, and these for Lightning's.
+
+    fabric = Fabric(loggers=[CSVLogger("runs/exp"), TensorBoardLogger("runs/exp")])
+    fabric.log_dict({"loss": loss}, step=step)
+"""
+import atexit
+import csv
+import os
+from pathlib import Path
+
+
+def _is_rank_zero() -> bool:
+    import torch.distributed as dist
+    return (dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))) == 0
+
+
+class CSVLogger:
+    """`root_dir/metrics.csv`: one row per `log_metrics` call, a `step` column and one column per metric
+    name seen so far (the file is rewritten with the wider header when a new name appears)."""
+
+    def __init__(self, root_dir, flush_every: int = 100):
+        self.log_dir = Path(root_dir)
+        self.path = self.log_dir / "metrics.csv"
+        self.flush_every = flush_every
+        self._rows, self._columns, self._written = [], ["step"], 0
+        atexit.register(self.save)  # rows logged since the last flush are written when the script ends
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        if not _is_rank_zero():
+            return
+        self._rows.append({"step": step, **metrics})
+        self._columns += [name for name in metrics if name not in self._columns]
+        if len(self._rows) - self._written >= self.flush_every:
+            self.save()
+
+    def log_hyperparams(self, params: dict) -> None:
+        if _is_rank_zero():
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.log_dir / "hparams.csv", "w", newline="") as f:
+                csv.writer(f).writerows(sorted(params.items()))
+
+    def save(self) -> None:
+        if not _is_rank_zero() or self._written == len(self._rows):
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self._columns)
+            writer.writeheader()
+            writer.writerows(self._rows)
+        os.replace(tmp, self.path)
+        self._written = len(self._rows)
+
+    def finalize(self, status: str = "success") -> None:
+        self.save()
+
+
+class TensorBoardLogger:
+    """TensorBoard event files in `root_dir` (`tensorboard --logdir root_dir`); needs the `tensorboard`
+    package: pip install -e '.[tensorboard]'."""
+
+    def __init__(self, root_dir, **writer_options):
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ModuleNotFoundError("TensorBoardLogger needs the tensorboard package: pip install -e "
+                                      "'.[tensorboard]' (or pip install tensorboard), or use CSVLogger.",
+                                      name="tensorboard") from None
+        self.log_dir = Path(root_dir)
+        self._writer_options = writer_options
+        self._writer = None
+
+    @property
+    def experiment(self):
+        """The torch SummaryWriter, made on first use (on rank 0)."""
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), **self._writer_options)
+        return self._writer
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        if not _is_rank_zero():
+            return
+        for name, value in metrics.items():
+            self.experiment.add_scalar(name, value, global_step=step)
+
+    def log_hyperparams(self, params: dict) -> None:
+        if _is_rank_zero():
+            self.experiment.add_text("hparams", "\n".join(f"{k}: {v}" for k, v in sorted(params.items())))
+
+    def save(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def finalize(self, status: str = "success") -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

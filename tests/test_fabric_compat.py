@@ -1,0 +1,328 @@
+"""core as a drop-in for Lightning Fabric scripts: the API items Fabric's users rely on, on one process and
+on two gloo processes, and a script written the way Fabric's documentation shows, run on core and on
+Lightning (where installed) with bitwise equal losses."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset, WeightedRandomSampler
+
+from core import Fabric, seed_everything
+from core.loggers import CSVLogger, TensorBoardLogger
+from core.wrappers import ShardedSampler
+from tests.conftest import ROOT, run
+
+
+def spawn(fn, *args, devices=2):
+    return Fabric(accelerator="cpu", strategy="ddp_spawn", devices=devices).launch(fn, *args)
+
+
+# --- construction ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("alias, mode", [("bf16", "bf16-mixed"), ("16", "16-mixed"), (16, "16-mixed"), (32, "32-true"),
+                                         ("32", "32-true"), (64, "64-true"), ("16-true", "16-true")])
+def test_precision_aliases(alias, mode):
+    assert Fabric(accelerator="cpu", precision=alias)._precision.name == mode
+
+
+def test_64_and_16_true_convert_the_module_and_inputs():
+    for precision, dtype in (("64-true", torch.float64), ("16-true", torch.float16)):
+        model = Fabric(accelerator="cpu", precision=precision).setup(nn.Linear(4, 2))
+        assert model.dtype == dtype and model(torch.randn(3, 4)).dtype == dtype
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"foo": 1}, TypeError, r"Fabric\(\) got unknown argument\(s\) \['foo'\]. It takes accelerator"),
+    ({"strategy": "ddp", "devices": 2, "find_unused": True}, TypeError, "which DistributedDataParallel does not take"),
+    ({"strategy": "fsdp", "devices": 2, "wrap": []}, TypeError, "Its options: cpu_offload, reshard_after_forward"),
+    ({"plugins": ["x"]}, ValueError, "core takes no plugins"),
+])
+def test_unknown_constructor_arguments_are_named(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        Fabric(accelerator="cpu", **kwargs)
+
+
+def test_arguments_from_fabric_run_environment(monkeypatch):
+    monkeypatch.setenv("LT_ACCELERATOR", "cpu")
+    monkeypatch.setenv("LT_PRECISION", "bf16-mixed")
+    fabric = Fabric()  # configured by the environment that `fabric run` sets
+    assert fabric.device.type == "cpu" and fabric._precision.name == "bf16-mixed"
+    # outside `fabric run` (no LT_CLI_USED), a value written in the code wins over a stray LT_ variable
+    assert Fabric(precision="16-mixed")._precision.name == "16-mixed"
+    monkeypatch.setenv("LT_CLI_USED", "1")
+    with pytest.raises(ValueError, match=r"Fabric\(precision='16-mixed'\) but the command line gives "
+                                         r"--precision=bf16-mixed"):
+        Fabric(precision="16-mixed")
+    fabric = Fabric()
+    with pytest.raises(RuntimeError, match="started by `fabric run`.*remove the fabric.launch"):
+        fabric.launch()
+
+
+def test_before_launch_world_size_is_known_and_loaders_refuse():
+    fabric = Fabric(accelerator="cpu", strategy="ddp", devices=2)
+    assert (fabric.world_size, fabric.global_rank) == (2, 0)
+    with pytest.raises(RuntimeError, match="call `fabric.launch\\(\\)` before setup"):
+        fabric.setup_dataloaders(DataLoader(range(4)))
+
+
+# --- loggers and callbacks ------------------------------------------------------------------------
+def test_log_dict_writes_every_logger_and_call_filters_keywords(tmp_path):
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def on_epoch_end(self, epoch):
+            self.seen.append(epoch)
+
+        def on_anything(self, **kwargs):
+            self.seen.append(kwargs)
+
+    recorder, csv_logger = Recorder(), CSVLogger(tmp_path / "csv")
+    fabric = Fabric(accelerator="cpu", loggers=[csv_logger, TensorBoardLogger(tmp_path / "tb")], callbacks=recorder)
+    assert fabric.logger is csv_logger and len(fabric.loggers) == 2
+    fabric.log("loss", torch.tensor(0.5), step=0)
+    fabric.log_dict({"loss": 0.25, "accuracy": torch.tensor(0.75)}, step=1)
+    for logger in fabric.loggers:
+        logger.finalize("success")
+    rows = list(csv.DictReader(open(tmp_path / "csv" / "metrics.csv")))
+    assert rows == [{"step": "0", "loss": "0.5", "accuracy": ""}, {"step": "1", "loss": "0.25", "accuracy": "0.75"}]
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+    fabric.call("on_epoch_end", epoch=3, losses=[1.0])  # losses is not a parameter of on_epoch_end
+    fabric.call("on_anything", a=1)
+    fabric.call("on_missing")
+    assert recorder.seen == [3, {"a": 1}]
+
+
+# --- modules ----------------------------------------------------------------------------------------
+class Steps(nn.Module):
+    """LightningModule-style: the step method calls the children."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder, self.decoder = nn.Linear(4, 2), nn.Linear(2, 4)
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x))
+
+    def training_step(self, x):
+        return F.mse_loss(self.decoder(self.encoder(x)), x)
+
+
+def test_backward_outside_fabric_is_refused_where_fabric_backward_is_needed():
+    fabric = Fabric(accelerator="cpu", precision="16-mixed")
+    model = Steps()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match=r"loss.backward\(\) was called where .* needs fabric.backward\(loss\)"):
+        model(torch.randn(3, 4)).float().sum().backward()
+    fabric.backward(model(torch.randn(3, 4)).float().sum())  # the same through fabric: fine
+    plain = Fabric(accelerator="cpu").setup(Steps())
+    plain(torch.randn(3, 4)).sum().backward()  # 32-true: loss.backward() is what fabric.backward does
+
+
+def test_init_module_creates_on_the_device_in_the_dtype_and_can_skip_init():
+    fabric = Fabric(accelerator="cpu", precision="bf16-true")
+    with fabric.init_module():
+        model = nn.Linear(4, 2)
+    assert model.weight.dtype == torch.bfloat16 and torch.get_default_dtype() == torch.float32
+
+    class Constant(nn.Linear):
+        def reset_parameters(self):
+            nn.init.constant_(self.weight, 5.0)
+
+    with Fabric(accelerator="cpu").init_module(empty_init=True):
+        skipped = Constant(64, 64)
+    assert not torch.all(skipped.weight == 5.0)  # left as allocated: a checkpoint will fill it
+    assert torch.all(Constant(2, 2).weight == 5.0)
+
+
+def test_load_raw_and_a_plain_torch_save_dict(tmp_path):
+    fabric = Fabric(accelerator="cpu")
+    source, target = Steps(), nn.Module()
+    torch.manual_seed(1)
+    target = Steps()
+    target.encoder.reset_parameters()
+    model = fabric.setup(target)
+    torch.save(source.state_dict(), tmp_path / "raw.pt")
+    fabric.load_raw(tmp_path / "raw.pt", model)
+    assert torch.equal(model.module.encoder.weight, source.encoder.weight)
+    torch.save({"model": source.state_dict(), "step": 7}, tmp_path / "plain.pt")  # a checkpoint made without core
+    state = {"model": model, "step": 0}
+    fabric.load(tmp_path / "plain.pt", state)
+    assert state["step"] == 7
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_compiled_module_keeps_its_compilation_and_its_names(precision):
+    fabric = Fabric(accelerator="cpu", precision=precision)
+    model = Steps()
+    compiled = torch.compile(model, backend="eager")
+    wrapped, optimizer = fabric.setup(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1))
+    assert wrapped.module is model and list(wrapped.state_dict()) == list(model.state_dict())  # no _orig_mod.
+    assert type(wrapped._forward_module).__name__ == "OptimizedModule"
+    x = torch.randn(3, 4)
+    with torch.no_grad(), fabric.autocast():
+        expected = model(x).float()
+    assert torch.allclose(wrapped(x), expected)
+
+
+# --- data -------------------------------------------------------------------------------------------
+class Draws(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return numpy.random.randint(0, 2**31)
+
+
+def draws(rank: int, workers: bool) -> list[int]:
+    """What a rank's 2 data workers draw from NumPy, on a loader seeded the same way on every rank."""
+    seed_everything(3, workers=workers)
+    fabric = Fabric(accelerator="cpu")
+    fabric._strategy.global_rank = rank  # the seeding reads only the rank
+    loader = fabric.setup_dataloaders(DataLoader(Draws(), batch_size=1, num_workers=2))
+    return [int(batch) for batch in loader]
+
+
+def test_seed_everything_workers_gives_each_rank_its_own_worker_seeds():
+    try:
+        assert draws(0, workers=False) == draws(1, workers=False)  # torch seeds workers, but not by rank
+        seeded = draws(0, workers=True)
+        assert seeded != draws(1, workers=True) and seeded == draws(0, workers=True)  # by rank, reproducible
+        assert len(set(seeded)) == 4  # and still by worker
+    finally:
+        os.environ.pop("PL_SEED_WORKERS")
+
+
+def test_sharded_sampler_shares_out_any_sampler():
+    order = list(range(10))[::-1]
+    parts = [list(ShardedSampler(order, num_replicas=3, rank=rank)) for rank in range(3)]
+    assert parts == [[9, 6, 3, 0], [8, 5, 2, 9], [7, 4, 1, 8]]  # padded from the start, as DistributedSampler
+
+
+def _samplers(fabric):
+    seed_everything(7)
+    dataset = TensorDataset(torch.arange(20))
+    subset = SubsetRandomSampler(list(range(0, 20, 2)), generator=torch.Generator().manual_seed(1))
+    weighted = WeightedRandomSampler([1.0] * 20, num_samples=8, generator=torch.Generator().manual_seed(2))
+    result = {}
+    for name, sampler in (("subset", subset), ("weighted", weighted)):
+        loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=2, sampler=sampler))
+        mine = [int(i) for (batch,) in loader for i in batch]
+        result[name] = fabric.all_gather(torch.tensor(mine)).tolist()
+    shuffled = fabric.setup_dataloaders(DataLoader(dataset, batch_size=2, shuffle=True))
+    result["seed"] = shuffled.sampler.seed
+    return result
+
+
+@pytest.mark.multiprocess
+def test_custom_samplers_are_shared_out_under_ddp_and_the_seed_is_seed_everythings():
+    result = spawn(_samplers)
+    subset, weighted = result["subset"], result["weighted"]
+    assert sorted(subset[0] + subset[1]) == list(range(0, 20, 2))  # each index once, across the two ranks
+    assert len(weighted[0]) == len(weighted[1]) == 4
+    assert result["seed"] == 7
+
+
+# --- collectives and rank order -------------------------------------------------------------------------
+def _collectives(fabric, path):
+    rank = fabric.global_rank
+    with fabric.rank_zero_first():
+        if rank == 0:
+            with open(path, "w") as f:
+                f.write("written by rank 0")
+        first = open(path).read()
+    data = {"loss": torch.tensor(float(rank + 1)), "parts": [rank + 1, torch.tensor([rank, 10 * rank])]}
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    gathered = fabric.all_gather(x * (rank + 1), sync_grads=True)
+    gathered.sum().backward()
+    return {"first": first, "mean": fabric.all_reduce(data)["loss"].item(),
+            "sum": fabric.all_reduce(data, reduce_op="sum")["parts"][1].tolist(),
+            "max": fabric.all_reduce(data, reduce_op="max")["parts"][0].item(),
+            "min": fabric.all_reduce(torch.tensor(rank + 1.0), reduce_op="min").item(),
+            "gather": fabric.all_gather({"rank": torch.tensor(rank)})["rank"].tolist(),
+            "grad": x.grad.tolist()}
+
+
+@pytest.mark.multiprocess
+def test_rank_zero_first_and_collectives_over_collections(tmp_path):
+    result = spawn(_collectives, str(tmp_path / "shared.txt"))
+    assert result["first"] == "written by rank 0"
+    assert result["mean"] == 1.5 and result["sum"] == [1, 10] and result["max"] == 2 and result["min"] == 1.0
+    assert result["gather"] == [0, 1]
+    # both ranks' losses sum rank 0's slice x * 1; its gradient comes back summed over the 2 ranks: 2 * 1
+    assert result["grad"] == [2.0, 2.0]
+    one = Fabric(accelerator="cpu")
+    assert one.all_gather(torch.ones(2)).shape == (2,)  # one process: the data as it is (Lightning's rule)
+    assert one.all_reduce({"a": 2})["a"].item() == 2
+    with pytest.raises(ValueError, match="reduce_op must be one of mean, avg, sum"):
+        one.all_reduce(torch.ones(1), reduce_op="median")
+
+
+def _step_methods(fabric):
+    model = Steps()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.full((3, 4), float(fabric.global_rank + 1))
+    fabric.backward(model.training_step(x))  # no submodule guard error: the step went through DDP
+    grads = fabric.all_gather(model.module.encoder.weight.grad)
+    return bool(torch.equal(grads[0], grads[1]))
+
+
+@pytest.mark.multiprocess
+def test_step_methods_go_through_the_ddp_wrapper():
+    assert spawn(_step_methods)
+
+
+# --- the same script on core and on Lightning ---------------------------------------------------------
+def run_script(tmp_path, impl: str, devices: int, precision: str = "32-true") -> dict:
+    out = tmp_path / impl / f"result-{devices}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Lightning routes training_step through the wrapper (autocast) only for a LightningModule; core does for
+    # any module, so under a mixed precision the two compare the loss computed in forward
+    forward = ["--loss-in-forward"] if precision != "32-true" else []
+    run(["tests/fabric_script.py", "--impl", impl, "--devices", str(devices), "--precision", precision,
+         "--out", str(out), *forward], timeout=300)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("devices, precision", [(1, "32-true"), (1, "bf16-mixed"), (2, "32-true")])
+def test_a_fabric_script_gives_lightnings_losses_bitwise(tmp_path, devices, precision):
+    ours = run_script(tmp_path, "core", devices, precision)
+    assert ours["world_size"] == devices and ours["epochs"] == [0, 1] and ours["ranks"] == list(range(devices))
+    assert ours["step"] == len(ours["losses"]) == 24 // devices
+    pytest.importorskip("lightning", reason="compares with Lightning Fabric: pip install -e '.[bench]'")
+    theirs = run_script(tmp_path, "lightning", devices, precision)
+    assert ours["losses"] == theirs["losses"]
+    assert ours["weights"] == theirs["weights"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fabric_run_starts_the_processes(tmp_path):
+    """What `fabric run --accelerator cpu --devices 2 script.py` does: LT_* variables, then torchrun."""
+    env = {"LT_CLI_USED": "1", "LT_ACCELERATOR": "cpu", "LT_DEVICES": "2", "LT_NUM_NODES": "1"}
+    out = tmp_path / "result.json"
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import json, sys, torch\nfrom core import Fabric\nfabric = Fabric()  # no launch(): the CLI started the ranks\n"
+        "total = fabric.all_reduce(torch.tensor(float(fabric.global_rank)), reduce_op='sum')\n"
+        "if fabric.global_rank == 0:\n"
+        "    json.dump({'world_size': fabric.world_size, 'total': total.item()}, open(sys.argv[1], 'w'))\n")
+    command = ["-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), str(out)]
+    try:
+        import lightning  # noqa: F401
+        command = ["-m", "lightning.fabric.cli", "--accelerator", "cpu", "--devices", "2", str(script),
+                   str(out)]
+        env = {}
+    except ImportError:
+        pass
+    run(command, timeout=120, env=env)
+    assert json.loads(out.read_text()) == {"world_size": 2, "total": 1.0}
