@@ -4,10 +4,9 @@ from dataclasses import dataclass, field
 import torch
 
 from core import launcher
-from core.fabric import ACCELERATORS
 from core.precision import PRECISIONS
 from core.strategies import STRATEGIES
-from core.validation import check_installed, device_kind
+from core.validation import ACCELERATORS, check_installed, device_kind
 
 # ddp_spawn runs a function in new processes (fabric.launch(fn)); the scripts run top to bottom after a
 # plain fabric.launch(), which re-runs the command for the other ranks, so the flag does not offer it.

@@ -21,9 +21,6 @@ from core.strategies import STRATEGIES, SingleDevice, frozen_parameters, make_st
 from core.wrappers import (FabricDataLoader, FabricModule, FabricOptimizer, BackwardState, compile_like, move_to,
                            SkipInit, rebuild_loader, shard_loader, unwrap_compiled, wrap_optimizer)
 
-ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
-
-
 class Fabric:
     """Moves models to the device, applies precision, wraps them for a strategy and wraps their optimizers.
 
@@ -45,34 +42,9 @@ class Fabric:
     def __init__(self, accelerator: str | None = None, strategy: str | None = None, devices=None,
                  num_nodes: int | None = None, precision=None, plugins=None, callbacks=None, loggers=None,
                  **strategy_options):
-        accelerator = launcher.from_cli("accelerator", accelerator, "auto")
-        strategy = launcher.from_cli("strategy", strategy, "auto")
-        devices = launcher.from_cli("devices", devices, "auto")
-        num_nodes = launcher.from_cli("num_nodes", num_nodes, 1)
-        precision = launcher.from_cli("precision", precision, "32-true")
-        if plugins is not None:
-            raise ValueError("core takes no plugins: precision is chosen by name (precision='bf16-mixed'), the cluster "
-                             "environment is read from torchrun or SLURM, and checkpoints are core's own.")
-        if accelerator not in ACCELERATORS:
-            raise ValueError(f"Unknown accelerator {accelerator!r}. Choose one of: {', '.join(ACCELERATORS)}.")
-        if strategy != "auto" and strategy not in STRATEGIES:
-            raise ValueError(f"Unknown strategy {strategy!r}. Choose one of: {', '.join(['auto', *STRATEGIES])}.")
-        if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
-            raise RuntimeError(f"accelerator={accelerator!r} but no CUDA device is visible to torch. "
-                               f"Use accelerator='cpu' (or 'auto').")
+        accelerator, strategy, devices, num_nodes, precision, env = validation.resolve_arguments(
+            accelerator, strategy, devices, num_nodes, precision, plugins)
         kind = validation.device_kind(accelerator)
-        validation.check_installed(strategy, kind)
-        env = launcher.cluster_environment()
-        devices = validation.check_devices(devices, kind, env)
-        if isinstance(num_nodes, str) and num_nodes.isdigit():
-            num_nodes = int(num_nodes)
-        if not isinstance(num_nodes, int) or num_nodes < 1:
-            raise ValueError(f"num_nodes must be a whole number >= 1, got {num_nodes!r}.")
-        if strategy == "auto":
-            strategy = "ddp" if devices * num_nodes > 1 or (env and env["world_size"] > 1) else "single"
-        if strategy == "single" and devices * num_nodes > 1:
-            raise ValueError(f"strategy='single' runs one process, but devices={devices} and num_nodes={num_nodes}. "
-                             f"Use strategy='ddp' (or fsdp, deepspeed) for several.")
         self._strategy_name = strategy
         self._devices, self._num_nodes = devices, num_nodes
         device = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")

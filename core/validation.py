@@ -9,6 +9,8 @@ from torch import nn
 
 from core.wrappers import FabricModule, FabricOptimizer
 
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
+
 
 def device_kind(accelerator: str) -> str:
     """'cuda' or 'cpu' for an accelerator name ('auto': cuda when torch sees a GPU)."""
@@ -132,3 +134,40 @@ def accepted_kwargs(method, kwargs: dict) -> dict:
         return kwargs
     names = {p.name for p in parameters}
     return {key: value for key, value in kwargs.items() if key in names}
+
+
+def resolve_arguments(accelerator, strategy, devices, num_nodes, precision, plugins):
+    """Fabric's arguments checked, with their values from `fabric run` or the defaults where not given, and
+    `auto` resolved: (accelerator, strategy, devices, num_nodes, precision, the launcher's environment)."""
+    from core import launcher
+    from core.strategies import STRATEGIES
+
+    accelerator = launcher.from_cli("accelerator", accelerator, "auto")
+    strategy = launcher.from_cli("strategy", strategy, "auto")
+    devices = launcher.from_cli("devices", devices, "auto")
+    num_nodes = launcher.from_cli("num_nodes", num_nodes, 1)
+    precision = launcher.from_cli("precision", precision, "32-true")
+    if plugins is not None:
+        raise ValueError("core takes no plugins: precision is chosen by name (precision='bf16-mixed'), the cluster "
+                         "environment is read from torchrun or SLURM, and checkpoints are core's own.")
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"Unknown accelerator {accelerator!r}. Choose one of: {', '.join(ACCELERATORS)}.")
+    if strategy != "auto" and strategy not in STRATEGIES:
+        raise ValueError(f"Unknown strategy {strategy!r}. Choose one of: {', '.join(['auto', *STRATEGIES])}.")
+    if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
+        raise RuntimeError(f"accelerator={accelerator!r} but no CUDA device is visible to torch. "
+                           f"Use accelerator='cpu' (or 'auto').")
+    kind = device_kind(accelerator)
+    check_installed(strategy, kind)
+    env = launcher.cluster_environment()
+    devices = check_devices(devices, kind, env)
+    if isinstance(num_nodes, str) and num_nodes.isdigit():
+        num_nodes = int(num_nodes)
+    if not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"num_nodes must be a whole number >= 1, got {num_nodes!r}.")
+    if strategy == "auto":
+        strategy = "ddp" if devices * num_nodes > 1 or (env and env["world_size"] > 1) else "single"
+    if strategy == "single" and devices * num_nodes > 1:
+        raise ValueError(f"strategy='single' runs one process, but devices={devices} and num_nodes={num_nodes}. "
+                         f"Use strategy='ddp' (or fsdp, deepspeed) for several.")
+    return accelerator, strategy, devices, num_nodes, precision, env

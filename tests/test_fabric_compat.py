@@ -326,3 +326,21 @@ def test_fabric_run_starts_the_processes(tmp_path):
         pass
     run(command, timeout=120, env=env)
     assert json.loads(out.read_text()) == {"world_size": 2, "total": 1.0}
+
+
+def _compiled_under_ddp(fabric):
+    model = Steps()
+    compiled = torch.compile(model, backend="eager")
+    wrapped, optimizer = fabric.setup(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1))
+    x = torch.full((3, 4), float(fabric.global_rank + 1))
+    fabric.backward(F.mse_loss(wrapped(x), x))
+    grads = fabric.all_gather(model.encoder.weight.grad)
+    return {"synced": bool(torch.equal(grads[0], grads[1])), "keys": list(wrapped.state_dict()),
+            "compiled": type(wrapped._forward_module).__name__, "inner": type(wrapped._forward_module._orig_mod).__name__}
+
+
+@pytest.mark.multiprocess
+def test_a_compiled_module_under_ddp_compiles_the_ddp_wrapper():
+    result = spawn(_compiled_under_ddp)
+    assert result == {"synced": True, "keys": ["encoder.weight", "encoder.bias", "decoder.weight", "decoder.bias"],
+                      "compiled": "OptimizedModule", "inner": "DistributedDataParallel"}
