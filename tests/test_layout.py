@@ -75,6 +75,23 @@ def test_common_helpers_are_plain_pytorch():
         assert not any(n.startswith(("core", "torch.distributed")) for n in imports(path)), path.name
 
 
+def _package(name: str) -> str:
+    return name.split(".")[0]
+
+
+@pytest.mark.parametrize("workload", sorted(BUDGETS))
+def test_no_workload_imports_another(workload):
+    """What two workloads share lives in common/, so each workload folder reads (and can be copied) alone."""
+    others = set(BUDGETS) - {workload}
+    for path in (ROOT / workload).glob("*.py"):
+        assert not {_package(name) for name in imports(path)} & others, f"{workload}/{path.name}"
+
+
+def test_common_imports_no_workload():
+    for path in (ROOT / "common").glob("*.py"):
+        assert not {_package(name) for name in imports(path)} & set(BUDGETS), path.name
+
+
 def test_every_file_opens_with_a_docstring():
     for folder in ("core", "common", "gan", "autoencoder", "metalearn", "benchmarks"):
         for path in (ROOT / folder).glob("*.py"):

@@ -16,12 +16,13 @@ import torch
 import gan.train
 import metalearn.train
 from common.config import merge, parse
+from common.data import DownloadFailed
+from common.images import load_images
 from common.run import RunDir
 from core import Fabric, launcher
 from core.cli import FabricFlags
 from gan import train_torch
 from gan.config import Config
-from gan.data import DownloadFailed, load_images
 from metalearn.config import Config as MetaConfig
 from metalearn.data import make_tasks
 from tests.conftest import ROOT, run
