@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.workloads import WORKLOADS
 from common.config import RunConfig
 from common.run import Bookkeeping, RunDir, StopRequests
 from core.checkpoint import load_checkpoint
@@ -21,7 +22,6 @@ from tests.conftest import ROOT, run
 from tests.test_usability import EXPLAINED, WARNING
 
 READMES = [ROOT / "README.md", *sorted(ROOT.glob("*/README.md"))]
-WORKLOADS = ("gan", "autoencoder", "metalearn")
 EMBEDDED = {"digits", "sinusoid", "fake"}  # datasets that need no files
 
 
