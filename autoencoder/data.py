@@ -1,5 +1,5 @@
-"""The autoencoder's data: the GAN's image datasets (digits by default) and their held-out split."""
-from gan.data import CHANNELS, DATASETS, DatasetNotFound, load_images, make_loader
+"""The autoencoder's data: the image datasets of common/images.py (digits by default) and their held-out split."""
+from common.images import CHANNELS, DATASETS, DatasetNotFound, load_images, make_loader
 
 __all__ = ["CHANNELS", "DATASETS", "DatasetNotFound", "load_images", "make_loader", "load_splits"]
 

@@ -12,14 +12,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from autoencoder.config import Config
 from autoencoder.data import CHANNELS, load_splits, make_loader
 from autoencoder.model import AutoEncoder
 from autoencoder.report import evaluate, finish
 from common.config import cli
-from common.run import (RunDir, StopRequests, batches, check_resume_config, check_weights, resume_path, write_config)
+from common.run import (Bookkeeping, RunDir, StopRequests, batches, check_resume_config, resume_path,
+                        write_config)
 from common.run import load_plain
 
 
@@ -48,8 +48,8 @@ def main(config: Config) -> dict:
     write_config(run, config)
 
     stop = StopRequests(device, dist.all_reduce if world_size > 1 else None)  # signals and NaNs, all ranks together
+    loop = Bookkeeping(config, state, run, stop, "autoencoder")
     started = time.time()
-    progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="autoencoder")
     for step, (images, _) in batches(loader, state["step"]):
         if step >= config.max_steps:
             break
@@ -59,20 +59,11 @@ def main(config: Config) -> dict:
         loss.backward()
         optimizer.step()
 
-        state["step"] = step + 1
-        progress.update()
-        log = state["step"] % config.log_every == 0 or state["step"] == config.max_steps
-        stopping = stop.check(step, loss if log else None, run.checkpoint)
-        if log:
-            run.log({"step": state["step"], "loss": loss.item()})
-        if stopping:
+        if loop.end_step(step, loss, lambda: {"loss": loss.item()}):
             break
-        if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
-            check_weights(state, state["step"], run.checkpoint)
+        if loop.checkpoint_due():
             run.save_plain(state)
-    progress.close()
-    stop.close()
-    check_weights(state, state["step"], run.checkpoint)
+    loop.close()
     run.save_plain(state)
     if stop.reason:
         return stop.report(run, state["step"])

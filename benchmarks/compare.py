@@ -14,22 +14,20 @@ from pathlib import Path
 
 from benchmarks.parity import _weights
 from benchmarks.record import RESULTS, ROOT
-
-DEFAULT_STEPS = {"gan": 600, "autoencoder": 600, "metalearn": 3000}
-LOSSES = {"gan": ["loss_d", "loss_g"], "autoencoder": ["loss"], "metalearn": ["loss"]}
+from benchmarks.workloads import WORKLOADS
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workload", choices=sorted(DEFAULT_STEPS))
+    parser.add_argument("workload", choices=sorted(WORKLOADS))
     parser.add_argument("--max-steps", type=int, help="steps of both runs (default: a short run per workload)")
     parser.add_argument("--seed", type=int, default=0, help="seed of both runs")
     parser.add_argument("--strategy", default="single", help="the wrapped run's strategy")
     parser.add_argument("--devices", default="1", help="the wrapped run's processes")
     parser.add_argument("--out", default=str(RESULTS / "compare"), help="folder for both runs and the plot")
     args = parser.parse_args(argv)
-    steps = args.max_steps or DEFAULT_STEPS[args.workload]
+    steps = args.max_steps or WORKLOADS[args.workload].compare_steps
     out = Path(args.out) / args.workload
     common = ["--max-steps", str(steps), "--seed", str(args.seed), "--log-every", str(max(1, steps // 30))]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -62,7 +60,7 @@ def main(argv=None):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, style in (("plain", "-"), ("wrapped", "--")):
-        for key in LOSSES[args.workload]:
+        for key in WORKLOADS[args.workload].losses:
             ax.plot([r["step"] for r in metrics[name]], [r[key] for r in metrics[name]], style, label=f"{name} {key}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")

@@ -12,13 +12,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.record import ROOT, table, write
+from benchmarks.workloads import WORKLOADS, flags
 
 STRATEGIES = ["single", "ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3"]
 PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
-ARGS = {"gan": ["--dataset", "fake", "--batch-size", "128", "--max-steps", "60", "--log-every", "10",
-                "--sample-every", "1000000", "--eval-samples", "64"],
-        "autoencoder": ["--dataset", "fake", "--batch-size", "128", "--max-steps", "60", "--log-every", "10"],
-        "metalearn": ["--max-steps", "200", "--log-every", "20", "--eval-tasks", "100"]}
+ARGS = {name: flags(workload.gpu) for name, workload in WORKLOADS.items()}
 
 
 def main():
@@ -28,8 +26,8 @@ def main():
     for workload, args in ARGS.items():
         for strategy in STRATEGIES:
             for precision in PRECISIONS:
-                if workload == "metalearn" and strategy.startswith("deepspeed"):
-                    continue  # refused by design, see metalearn/README.md
+                if strategy.startswith("deepspeed") and not WORKLOADS[workload].deepspeed:
+                    continue  # refused by design, see the workload's README
                 with tempfile.TemporaryDirectory() as out:
                     command = [sys.executable, "-m", f"{workload}.train", *args, "--accelerator", "cuda",
                                "--strategy", strategy, "--devices", "1", "--precision", precision, "--out", out]

@@ -19,17 +19,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.record import ROOT, spread
-
-WORKLOADS = {  # tiny but real settings; --quick runs fewer steps
-    "gan": ["--dataset", "fake", "--batch-size", "64", "--sample-every", "1000000", "--eval-samples", "64"],
-    "autoencoder": ["--dataset", "fake", "--batch-size", "64"],
-    "metalearn": ["--eval-tasks", "100"],
-}
-STEPS = {"gan": (80, 10), "autoencoder": (160, 20), "metalearn": (600, 100)}  # (steps, log every), quick
+from benchmarks.workloads import WORKLOADS, flags
 
 
 def _command(workload: str, variant: str, strategy: str, precision: str, steps: int, log_every: int, out: Path):
-    args = [*WORKLOADS[workload], "--max-steps", str(steps), "--log-every", str(log_every), "--out", str(out)]
+    args = [*flags(WORKLOADS[workload].parity), "--max-steps", str(steps), "--log-every", str(log_every),
+            "--out", str(out)]
     if variant == "plain":
         if strategy == "single":
             return [sys.executable, "-m", f"{workload}.train_torch", *args]
@@ -70,7 +65,7 @@ def _weights(out: Path, variant: str) -> dict:
 
 
 def compare(workload: str, strategy: str, precision: str = "32-true", repeats: int = 2, scale: int = 1) -> dict:
-    steps, log_every = STEPS[workload]
+    steps, log_every = WORKLOADS[workload].parity_steps
     steps *= scale
     plain_strategy = "single" if strategy == "single" else "ddp"
     times = {"plain": [], "wrapped": []}

@@ -18,6 +18,7 @@ import sys
 
 from benchmarks import maml_speed, overhead, parity
 from benchmarks.record import RESULTS, ROOT, bar_chart, results_dir, table, write
+from benchmarks.workloads import WORKLOADS
 
 PARTS = ("overhead", "maml", "parity", "quality")
 TARGETS = {"single": 1.03, "ddp": 1.05}
@@ -72,12 +73,12 @@ def run_maml(quick: bool) -> str:
 
 
 def run_parity(quick: bool) -> str:
-    cases = [(w, s, "32-true") for w in parity.WORKLOADS for s in ("single", "ddp")]
+    cases = [(w, s, "32-true") for w in WORKLOADS for s in ("single", "ddp")]
     cases += [("gan", "fsdp", "32-true"), ("gan", "deepspeed_stage_2", "32-true")]
     if not quick:
         cases += [(w, s, "32-true") for w in ("autoencoder", "metalearn") for s in ("fsdp",)]
         cases += [("autoencoder", "deepspeed_stage_2", "32-true")]
-        cases += [(w, "single", "bf16-mixed") for w in parity.WORKLOADS]
+        cases += [(w, "single", "bf16-mixed") for w in WORKLOADS]
     rows = []
     for workload, strategy, precision in cases:
         print(f"parity: {workload} {strategy} {precision}", file=sys.stderr, flush=True)
@@ -112,7 +113,7 @@ def run_parity(quick: bool) -> str:
 
 def _scaling(rows) -> str:
     parts = []
-    for workload in parity.WORKLOADS:
+    for workload in WORKLOADS:
         single = next((r for r in rows if r["workload"] == workload and r["strategy"] == "single"
                        and r["precision"] == "32-true"), None)
         ddp = next((r for r in rows if r["workload"] == workload and r["strategy"] == "ddp"), None)
@@ -122,34 +123,27 @@ def _scaling(rows) -> str:
     return "; ".join(parts)
 
 
-QUALITY = [  # command, summary key, target, reference
-    ("gan", ["-m", "gan.train"], "fid_classifier", "<= 4.5", "4.3 after 2.5 min of training"),
-    ("gan", None, "class_entropy", ">= 2.2", "of 2.303"),
-    ("autoencoder", ["-m", "autoencoder.train"], "test_psnr", ">= 22", "21.9 dB after 50 epochs"),
-    ("metalearn", ["-m", "metalearn.train"], "test_mse_steps", "<= 0.40", "0.39 at 20k iterations"),
-]
-
-
 def run_quality() -> str:
-    rows, summaries = [], {}
-    for workload, command, key, target, reference in QUALITY:
-        if command is not None:
-            out = RESULTS / "runs" / workload
-            subprocess.run([sys.executable, *command, "--out", str(out)], cwd=ROOT, check=True,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
-            summaries[workload] = json.loads((out / "summary.json").read_text())
-        summary = summaries[workload]
-        value = summary[key]["1"] if key == "test_mse_steps" else summary[key]
-        op, bound = target.split()
-        ok = value is not None and (value <= float(bound) if op == "<=" else value >= float(bound))
-        rows.append([workload, key if key != "test_mse_steps" else "MSE after 1 step", value, target, _mark(ok),
-                     summary["train_seconds"], reference])
+    rows, summaries, commands = [], {}, []
+    for workload in (w for w in WORKLOADS.values() if w.quality):
+        commands.append(["-m", f"{workload.name}.train"])  # the default command, as a user runs it
+        out = RESULTS / "runs" / workload.name
+        subprocess.run([sys.executable, *commands[-1], "--out", str(out)], cwd=ROOT, check=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+        summary = summaries[workload.name] = json.loads((out / "summary.json").read_text())
+        for quality in workload.quality:
+            key = quality.metric
+            value = summary[key]["1"] if key == "test_mse_steps" else summary[key]
+            op, bound = quality.target.split()
+            ok = value is not None and (value <= float(bound) if op == "<=" else value >= float(bound))
+            rows.append([workload.name, key if key != "test_mse_steps" else "MSE after 1 step", value, quality.target,
+                         _mark(ok), summary["train_seconds"], quality.reference])
     mse = summaries["metalearn"]["test_mse_steps"]
     markdown = ("Quality of the default commands on this machine:\n\n" +
                 table(["workload", "metric", "value", "target", "met", "train s", "reference"], rows) +
                 "\nMAML MSE after 0/1/5/10 steps: " +
                 ", ".join("diverged" if v is None else f"{v:.3f}" for v in mse.values()) + "\n")
-    write("quality", {"commands": [q[1] for q in QUALITY if q[1]]}, rows, markdown,
+    write("quality", {"commands": commands}, rows, markdown,
           threads="torch's default threads (one per core)")
     return markdown
 

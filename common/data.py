@@ -1,4 +1,5 @@
-"""Data helpers both variants share: one download at a time into a data root."""
+"""Data helpers both variants share: one download at a time into a data root, and one wording for a download
+that failed on the network."""
 import fcntl
 import os
 import time
@@ -34,3 +35,20 @@ def download_once(root, download: bool, timeout: float = float(os.environ.get("S
     this machine) that download into the same root take turns, so the first fetches the files and the
     others find them in place instead of writing the same files at once."""
     return _exclusive(root, timeout) if download else nullcontext()
+
+
+class DownloadFailed(ValueError):
+    """--download could not fetch the dataset (no network, a server down); the message says what to do."""
+
+
+def download_failure(name: str, root, expected: str, error: Exception) -> DownloadFailed | None:
+    """The one-line error for a download that failed on the network, or None for any other failure.
+    torchvision raises urllib's URLError (an OSError) from its download, or, for MNIST after trying every
+    mirror, a RuntimeError whose last line is the URLError; Google Drive files (CelebA) need gdown."""
+    lines = [line for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    network = isinstance(error, OSError) and not isinstance(error, FileNotFoundError)
+    if not (network or lines[0].startswith("Error downloading") or "gdown" in lines[0]):
+        return None
+    return DownloadFailed(f"could not download {name!r} into {root} ({lines[-1].strip()}); "
+                          f"put the files there yourself ({expected}; README.md, Datasets, says where to get "
+                          f"them) and run without --download")

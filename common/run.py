@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 # Fields that do not change what is computed: they may differ between a run and its resume.
 RESUMABLE_CHANGES = {"out", "resume", "max_steps", "checkpoint_every", "log_every", "num_workers", "data_root",
@@ -246,6 +247,57 @@ def check_weights(state: dict, step: int, checkpoint: Path) -> None:
             if not bool(local.detach().isfinite().all()):
                 raise FloatingPointError(f"{name} has non-finite weights after step {step}; stopping without "
                                          f"saving. {_last_good(checkpoint)}")
+
+
+class Bookkeeping:
+    """What every training loop does after its optimizer steps, the same in the plain and the wrapped script:
+    count the step (`state["step"]`), move the progress bar, log every `log_every` steps, let the ranks decide
+    together whether to stop (`stop`, a StopRequests), and check the weights before each checkpoint. The
+    loop itself (data, forward, backward, optimizer steps) and the saving stay in the script:
+
+        loop = Bookkeeping(config, state, run, stop, "gan")
+        for step, batch in batches(loader, state["step"]):
+            ...                                                  # the training step
+            if loop.end_step(step, loss, lambda: {"loss": loss.item()}):
+                break                                            # every rank stops after this step
+            if loop.checkpoint_due():
+                fabric.save(run.checkpoint, state)
+        loop.close()
+        fabric.save(run.checkpoint, state)
+        if stop.reason:
+            return stop.report(run, state["step"])
+    """
+
+    def __init__(self, config, state: dict, run: RunDir, stop: StopRequests, name: str):
+        self.config, self.state, self.run, self.stop = config, state, run, stop
+        self.progress = tqdm(total=config.max_steps, initial=state["step"], disable=not run.write, desc=name)
+
+    def end_step(self, step: int, loss: torch.Tensor, metrics) -> bool:
+        """After step `step`: True when the ranks agreed to stop (save, then `stop.report`). On log steps
+        (every `log_every`, and the last) the loss is checked on every rank, and `metrics()` (a dict of
+        numbers, called only then: `.item()` waits for the device) is written to metrics.jsonl."""
+        self.state["step"] = step + 1
+        self.progress.update()
+        log = self.state["step"] % self.config.log_every == 0 or self.state["step"] == self.config.max_steps
+        stopping = self.stop.check(step, loss if log else None, self.run.checkpoint)
+        if log:
+            self.run.log({"step": self.state["step"], **metrics()})
+        return stopping
+
+    def checkpoint_due(self) -> bool:
+        """True every `checkpoint_every` steps, once the weights are checked (a FloatingPointError if any is
+        not finite, so a diverged update never overwrites the last good checkpoint)."""
+        if not (self.config.checkpoint_every and self.state["step"] % self.config.checkpoint_every == 0):
+            return False
+        check_weights(self.state, self.state["step"], self.run.checkpoint)
+        return True
+
+    def close(self) -> None:
+        """After the loop, before the final checkpoint: close the progress bar, let signals act at once
+        again, and check the weights."""
+        self.progress.close()
+        self.stop.close()
+        check_weights(self.state, self.state["step"], self.run.checkpoint)
 
 
 def step_generator(seed: int, rank: int, step: int) -> torch.Generator:

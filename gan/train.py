@@ -10,10 +10,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from common.config import cli
-from common.run import (RunDir, StopRequests, batches, check_resume_config, check_weights, resume_path, step_generator,
+from common.run import (Bookkeeping, RunDir, StopRequests, batches, check_resume_config, resume_path, step_generator,
                         write_config)
 from core import Fabric
 from core.cli import FabricFlags
@@ -54,8 +53,8 @@ def main(config: Config) -> dict:
 
     fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(1)).to(device)
     stop = StopRequests(device, fabric.all_reduce)  # signals and NaNs, all ranks together
+    loop = Bookkeeping(config, state, run, stop, "gan")
     started = time.time()
-    progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="gan")
     for step, (real, _) in batches(loader, state["step"]):
         if step >= config.max_steps:
             break
@@ -79,25 +78,16 @@ def main(config: Config) -> dict:
         fabric.backward(loss_g)
         optimizer_g.step()
 
-        state["step"] = step + 1
-        progress.update()
-        log = state["step"] % config.log_every == 0 or state["step"] == config.max_steps
-        stopping = stop.check(step, loss_d + loss_g if log else None, run.checkpoint)
-        if log:
-            run.log({"step": state["step"], "loss_d": loss_d.item(), "loss_g": loss_g.item(),
-                     "d_real": torch.sigmoid(logits_real).mean().item(),
-                     "d_fake": torch.sigmoid(logits_fake).mean().item()})
-        if stopping:
+        if loop.end_step(step, loss_d + loss_g, lambda: {"loss_d": loss_d.item(), "loss_g": loss_g.item(),
+                                                         "d_real": torch.sigmoid(logits_real).mean().item(),
+                                                         "d_fake": torch.sigmoid(logits_fake).mean().item()}):
             break
         if state["step"] % config.sample_every == 0:
             with torch.no_grad():
                 save_samples(run, generator(fixed_noise), state["step"])
-        if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
-            check_weights(state, state["step"], run.checkpoint)
+        if loop.checkpoint_due():
             fabric.save(run.checkpoint, state)
-    progress.close()
-    stop.close()
-    check_weights(state, state["step"], run.checkpoint)
+    loop.close()
     fabric.save(run.checkpoint, state)
     if stop.reason:
         return stop.report(run, state["step"])

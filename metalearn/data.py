@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from common.data import download_once
+from common.data import download_failure, download_once
 
 TASKS = ("sinusoid", "digits", "omniglot")
 
@@ -75,8 +75,6 @@ def with_rotations(images: torch.Tensor) -> torch.Tensor:
 
 def _omniglot_by_class(root: str, background: bool, download: bool) -> torch.Tensor:
     from torchvision import datasets, transforms
-
-    from gan.data import download_failure  # the image loaders' wording for a download without a network
 
     if not download and not Path(root).is_dir():
         raise FileNotFoundError(f"--data-root {root} does not exist; omniglot expects "

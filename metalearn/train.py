@@ -8,10 +8,9 @@
 import time
 
 import torch
-from tqdm import tqdm
 
 from common.config import cli
-from common.run import (RunDir, StopRequests, check_resume_config, check_weights, resume_path, step_generator,
+from common.run import (Bookkeeping, RunDir, StopRequests, check_resume_config, resume_path, step_generator,
                         write_config)
 from core import Fabric
 from core.cli import FabricFlags
@@ -47,8 +46,8 @@ def main(config: Config) -> dict:
     write_config(run, config)
 
     stop = StopRequests(device, fabric.all_reduce)  # signals and NaNs, all ranks together
+    loop = Bookkeeping(config, state, run, stop, "metalearn")
     started = time.time()
-    progress = tqdm(total=config.max_steps, initial=state["step"], disable=rank != 0, desc="metalearn")
     for step in range(state["step"], config.max_steps):
         # every rank draws the whole meta-batch from (seed, step) and keeps its own share of the tasks
         generator = step_generator(config.seed, 0, step)
@@ -62,20 +61,11 @@ def main(config: Config) -> dict:
         fabric.backward(loss)
         optimizer.step()
 
-        state["step"] = step + 1
-        progress.update()
-        log = state["step"] % config.log_every == 0 or state["step"] == config.max_steps
-        stopping = stop.check(step, loss if log else None, run.checkpoint)
-        if log:
-            run.log({"step": state["step"], "loss": loss.item()})
-        if stopping:
+        if loop.end_step(step, loss, lambda: {"loss": loss.item()}):
             break
-        if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
-            check_weights(state, state["step"], run.checkpoint)
+        if loop.checkpoint_due():
             fabric.save(run.checkpoint, state)
-    progress.close()
-    stop.close()
-    check_weights(state, state["step"], run.checkpoint)
+    loop.close()
     fabric.save(run.checkpoint, state)
     if stop.reason:
         return stop.report(run, state["step"])

@@ -7,12 +7,13 @@ import torch
 from autoencoder import train, train_torch
 from autoencoder.config import Config
 from autoencoder.model import AutoEncoder
+from benchmarks.workloads import WORKLOADS
 from common.config import merge
 from core.checkpoint import load_checkpoint
 from core.cli import FabricFlags
 from tests.conftest import run
 
-TINY = dict(dataset="fake", batch_size=8, width=4, latent=2, log_every=2)
+TINY = {**WORKLOADS["autoencoder"].generated_data, **WORKLOADS["autoencoder"].small, "latent": 2, "log_every": 2}
 
 
 def test_plain_and_wrapped_train_bitwise_equal(tmp_path):

@@ -1,11 +1,13 @@
 """The benchmark harness on tiny configs: it runs, writes well-formed results, and shows a failing figure
 as failing. No timing is asserted here."""
+import dataclasses
 import json
 
 import pytest
 
 from benchmarks import maml_speed, overhead, parity, record
 from benchmarks import run as bench
+from benchmarks.workloads import WORKLOADS
 
 
 @pytest.fixture
@@ -32,7 +34,7 @@ def test_maml_speed_checks_meta_gradients_first():
 
 
 def test_parity_of_a_real_workload_on_one_process(monkeypatch):
-    monkeypatch.setitem(parity.STEPS, "metalearn", (30, 5))
+    monkeypatch.setitem(WORKLOADS, "metalearn", dataclasses.replace(WORKLOADS["metalearn"], parity_steps=(30, 5)))
     row = parity.compare("metalearn", "single", repeats=1)
     assert row["weights_bitwise_equal"] and row["compared_tensors"] == 6
     assert row["plain_ms"]["n"] == 4 and row["plain_memory_mb"] > 0

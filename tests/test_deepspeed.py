@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.workloads import WORKLOADS, flags
 from core import Fabric
 from core.checkpoint import load_checkpoint
 from tests.conftest import ROOT, run
@@ -22,9 +23,7 @@ MODES = ("deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspe
          "deepspeed_stage_3_offload")
 # the default dataset (embedded digits) with small models, so a run takes seconds; on the CPU, where gloo and
 # the kernels are deterministic, so that comparisons can be exact
-TINY = {"gan": ["--batch-size", "8", "--ngf", "8", "--ndf", "8", "--nz", "16", "--eval-samples", "8",
-                "--accelerator", "cpu"],
-        "autoencoder": ["--batch-size", "8", "--width", "4", "--accelerator", "cpu"]}
+TINY = {name: [*flags(w.small), "--accelerator", "cpu"] for name, w in WORKLOADS.items() if w.deepspeed}
 
 
 def final_weights(run_dir: Path) -> dict:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from benchmarks.workloads import WORKLOADS
 from common.config import merge
 from core.checkpoint import load_checkpoint
 from core.cli import FabricFlags
@@ -17,7 +18,7 @@ from gan.config import Config
 from gan.data import DatasetNotFound, load_images
 from tests.conftest import run
 
-TINY = dict(dataset="fake", batch_size=8, ngf=8, ndf=8, nz=16, log_every=2, sample_every=1000, eval_samples=8)
+TINY = {**WORKLOADS["gan"].generated_data, **WORKLOADS["gan"].small, "log_every": 2, "sample_every": 1000}
 
 
 def weights(run_dir, plain=False):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.workloads import WORKLOADS
+
 ROOT = Path(__file__).resolve().parent.parent
 BUDGETS = {"gan": 55, "autoencoder": 45, "metalearn": 45}  # changed lines, comments and blanks stripped
 
@@ -37,6 +39,12 @@ def changed_lines(a: Path, b: Path) -> list[str]:
 def test_sdiff_of_plain_and_wrapped_stays_within_budget(workload):
     changed = changed_lines(ROOT / workload / "train_torch.py", ROOT / workload / "train.py")
     assert len(changed) <= BUDGETS[workload], "\n".join(changed)
+
+
+def test_every_workload_is_registered_and_has_a_budget():
+    """A workload is a folder with both scripts; benchmarks/workloads.py and BUDGETS must both know it."""
+    folders = {path.parent.name for path in ROOT.glob("*/train_torch.py") if (path.parent / "train.py").is_file()}
+    assert folders == set(WORKLOADS) == set(BUDGETS)
 
 
 def test_the_budget_counter_counts_code_not_comments(tmp_path):
@@ -73,6 +81,23 @@ def test_files_keep_to_their_roles(workload):
 def test_common_helpers_are_plain_pytorch():
     for path in (ROOT / "common").glob("*.py"):
         assert not any(n.startswith(("core", "torch.distributed")) for n in imports(path)), path.name
+
+
+def _package(name: str) -> str:
+    return name.split(".")[0]
+
+
+@pytest.mark.parametrize("workload", sorted(BUDGETS))
+def test_no_workload_imports_another(workload):
+    """What two workloads share lives in common/, so each workload folder reads (and can be copied) alone."""
+    others = set(BUDGETS) - {workload}
+    for path in (ROOT / workload).glob("*.py"):
+        assert not {_package(name) for name in imports(path)} & others, f"{workload}/{path.name}"
+
+
+def test_common_imports_no_workload():
+    for path in (ROOT / "common").glob("*.py"):
+        assert not {_package(name) for name in imports(path)} & set(BUDGETS), path.name
 
 
 def test_every_file_opens_with_a_docstring():

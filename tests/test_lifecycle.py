@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.run import StopRequests
+from benchmarks.workloads import WORKLOADS
+from common.config import RunConfig
+from common.run import Bookkeeping, RunDir, StopRequests
 from core.checkpoint import load_checkpoint
 from tests.conftest import ROOT, run
 from tests.test_usability import EXPLAINED, WARNING
 
 READMES = [ROOT / "README.md", *sorted(ROOT.glob("*/README.md"))]
-WORKLOADS = ("gan", "autoencoder", "metalearn")
 EMBEDDED = {"digits", "sinusoid", "fake"}  # datasets that need no files
 
 
@@ -336,3 +337,48 @@ def test_signals_act_at_once_again_after_the_loop(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == stop._handle
     stop.close()
     assert signal.getsignal(signal.SIGTERM) == before and signal.getsignal(signal.SIGINT) != stop._handle
+
+
+# --- the bookkeeping after each step, shared by the six scripts --------------------------------------
+
+def bookkeeping(tmp_path, stop=None, **config):
+    state = {"step": 0, "model": torch.nn.Linear(2, 1)}
+    run = RunDir(str(tmp_path / "run"), "test")
+    return Bookkeeping(RunConfig(**config), state, run, stop or StopRequests(), "test"), state, run
+
+
+def test_bookkeeping_logs_every_log_step_and_the_last_and_checkpoints_every_n(tmp_path):
+    loop, state, run = bookkeeping(tmp_path, max_steps=7, log_every=3, checkpoint_every=2)
+    due = []
+    for step in range(7):
+        assert not loop.end_step(step, torch.tensor(1.0), lambda: {"loss": float(step)})
+        if loop.checkpoint_due():
+            due.append(state["step"])
+    loop.close()
+    assert state["step"] == 7 and due == [2, 4, 6]
+    assert [(r["step"], r["loss"]) for r in run.metrics()] == [(3, 2.0), (6, 5.0), (7, 6.0)]
+
+
+def test_bookkeeping_checks_the_loss_on_log_steps_and_the_weights_before_a_checkpoint(tmp_path):
+    loop, state, run = bookkeeping(tmp_path, max_steps=10, log_every=2, checkpoint_every=2)
+    nan = torch.tensor(float("nan"))
+    assert not loop.end_step(0, nan, lambda: {})  # step 1 is not a log step: not checked
+    with pytest.raises(FloatingPointError, match="not finite at step 1"):
+        loop.end_step(1, nan, lambda: {})
+    assert run.metrics() == []  # nothing logged for a diverged step
+    with torch.no_grad():
+        state["model"].weight.fill_(float("inf"))
+    with pytest.raises(FloatingPointError, match="model has non-finite weights after step 2"):
+        loop.checkpoint_due()
+    with pytest.raises(FloatingPointError, match="non-finite weights"):
+        loop.close()  # and before the final checkpoint
+
+
+def test_bookkeeping_stops_when_another_rank_asks_at_the_next_comparison(tmp_path):
+    stop = StopRequests(reduce=lambda flags: flags + torch.tensor([1.0, 0.0, 0.0]))  # rank 1 got SIGTERM
+    loop, state, _ = bookkeeping(tmp_path, stop=stop, max_steps=100, log_every=50)
+    stopped = [step for step in range(20) if loop.end_step(step, torch.tensor(1.0), lambda: {})]
+    loop.close()
+    assert stopped[0] == 9 and stop.reason == "SIGTERM" and state["step"] == 20  # ranks compare every 10 steps
+    assert signal.getsignal(signal.SIGTERM) != stop._handle
+

@@ -10,18 +10,14 @@ import time
 import pytest
 import torch
 
+from benchmarks.workloads import WORKLOADS as REGISTRY
+from benchmarks.workloads import flags
 from core.checkpoint import load_checkpoint
 from tests.conftest import ROOT, run
 
 # tiny settings that still take a few seconds, so a kill lands mid-run
-WORKLOADS = {
-    "gan": ["--dataset", "fake", "--batch-size", "8", "--ngf", "8", "--ndf", "8", "--nz", "16", "--eval-samples", "8",
-            "--max-steps", "200", "--log-every", "10", "--checkpoint-every", "7"],
-    "autoencoder": ["--dataset", "fake", "--batch-size", "8", "--width", "4", "--max-steps", "300", "--log-every",
-                    "10", "--checkpoint-every", "7"],
-    "metalearn": ["--hidden", "16", "--eval-tasks", "10", "--max-steps", "600", "--log-every", "50",
-                  "--checkpoint-every", "7"],
-}
+WORKLOADS = {name: flags({**w.generated_data, **w.small, "max_steps": w.crash_steps[0], "log_every": w.crash_steps[1],
+                          "checkpoint_every": 7}) for name, w in REGISTRY.items()}
 
 
 def start(workload, out, *extra):

@@ -15,13 +15,15 @@ import torch
 
 import gan.train
 import metalearn.train
+from benchmarks.workloads import WORKLOADS
 from common.config import merge, parse
+from common.data import DownloadFailed
+from common.images import load_images
 from common.run import RunDir
 from core import Fabric, launcher
 from core.cli import FabricFlags
 from gan import train_torch
 from gan.config import Config
-from gan.data import DownloadFailed, load_images
 from metalearn.config import Config as MetaConfig
 from metalearn.data import make_tasks
 from tests.conftest import ROOT, run
@@ -184,10 +186,6 @@ def test_class_entropy_of_one_class_is_plus_zero():
 
 
 README_FILES = ["README.md", "gan/README.md", "autoencoder/README.md", "metalearn/README.md"]
-SHORT = {"gan": ["--max-steps", "20", "--log-every", "10", "--ngf", "8", "--ndf", "8", "--sample-every", "10",
-                 "--eval-samples", "64"],
-         "autoencoder": ["--max-steps", "20", "--log-every", "10"],
-         "metalearn": ["--max-steps", "20", "--log-every", "10", "--eval-tasks", "20"]}
 WARNING = re.compile(r"warning|\bW\d{4} ", re.IGNORECASE)
 # only for the plain GAN under torchrun: torchrun's note that it set OMP_NUM_THREADS=1, and torch's deprecation of
 # the broadcast_buffers argument the plain script keeps (gan/README.md, Warnings, says why)
@@ -226,7 +224,7 @@ def test_readme_install_section_matches_setup_cfg():
 def test_the_readme_commands_include_every_workload_and_torchrun():
     commands = readme_commands()
     assert len(commands) >= 10 and any(c.startswith("torchrun") for c in commands)
-    assert {w for w in SHORT if any(f"{w}.train" in c for c in commands)} == set(SHORT)
+    assert {w for w in WORKLOADS if any(f"{w}.train" in c for c in commands)} == set(WORKLOADS)
 
 
 DOWNLOADER = """

@@ -1,0 +1,108 @@
+"""Image datasets by name, scaled to [-1, 1] at a square size: the data of the GAN and the autoencoder.
+
+`digits` (the default) is scikit-learn's 1,797 real 8x8 handwritten digits, shipped inside its wheel,
+so the suite trains with no download. `mnist`, `fashion-mnist`, `cifar10`, `celeba` and `folder` (any
+ImageFolder tree) load through torchvision from `--data-root`; `fake` is noise for smoke tests only.
+"""
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from common.data import download_failure, download_once
+
+DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "celeba", "folder", "fake")
+CHANNELS = {"digits": 1, "mnist": 1, "fashion-mnist": 1, "cifar10": 3, "celeba": 3, "folder": 3, "fake": 1}
+
+# Where torchvision looks for each dataset under --data-root, and what it expects to find there.
+_EXPECTED = {
+    "mnist": "MNIST/raw/train-images-idx3-ubyte (+ train-labels, t10k-*), unpacked from their .gz",
+    "fashion-mnist": "FashionMNIST/raw/train-images-idx3-ubyte (+ train-labels, t10k-*), unpacked from their .gz",
+    "cifar10": "cifar-10-batches-py/data_batch_1..5, test_batch, batches.meta (the python version)",
+    "celeba": "celeba/img_align_celeba/*.jpg and celeba/list_eval_partition.txt, identity_CelebA.txt, ...",
+    "folder": "<class>/<image> files (torchvision ImageFolder layout), one sub-folder per class",
+}
+
+
+class DatasetNotFound(FileNotFoundError):
+    """The dataset's files are not under the data root; the message says where they must be."""
+
+
+def _digits(image_size: int, train: bool):
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (1797, 1, 8, 8) in [0, 1]
+    labels = torch.tensor(digits.target)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
+    split = int(0.8 * len(order))  # a fixed 80/20 split: 1,437 train, 360 held out
+    index = order[:split] if train else order[split:]
+    images = F.interpolate(images[index], size=image_size, mode="bilinear", align_corners=False)
+    return TensorDataset(images.clamp(0, 1) * 2 - 1, labels[index])
+
+
+def _to_rgb(image):  # a module-level function, so worker processes can pickle the transform
+    return image.convert("RGB")
+
+
+def _torchvision(name: str, root: Path, image_size: int, train: bool, download: bool):
+    from torchvision import datasets, transforms
+
+    steps = [transforms.Resize(image_size), transforms.CenterCrop(image_size), transforms.ToTensor(),
+             transforms.Normalize([0.5] * CHANNELS[name], [0.5] * CHANNELS[name])]
+    if name == "folder":
+        steps.insert(0, _to_rgb)
+    transform = transforms.Compose(steps)
+    try:
+        with download_once(root, download):  # the ranks of a run take turns: one fetches
+            if name == "mnist":
+                return datasets.MNIST(root, train=train, download=download, transform=transform)
+            if name == "fashion-mnist":
+                return datasets.FashionMNIST(root, train=train, download=download, transform=transform)
+            if name == "cifar10":
+                return datasets.CIFAR10(root, train=train, download=download, transform=transform)
+            if name == "celeba":
+                return datasets.CelebA(root, split="train" if train else "test", target_type="identity",
+                                       download=download, transform=transform)
+            return datasets.ImageFolder(root, transform=transform)
+    except (RuntimeError, OSError) as error:
+        failure = download_failure(name, root, _EXPECTED[name], error) if download else None
+        if failure is not None:
+            raise failure from None
+        hint = "" if name == "folder" or download else \
+            " Pass --download to fetch it (needs internet), or copy the files there."
+        raise DatasetNotFound(f"dataset {name!r} not found under {root}: expected {_EXPECTED[name]} "
+                              f"({error}).{hint}") from None
+
+
+def load_images(name: str, root: str = "data", image_size: int = 32, train: bool = True,
+                download: bool = False, fake_size: int = 256):
+    """A dataset of (image in [-1, 1] of shape (C, image_size, image_size), label) pairs."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
+    if name == "digits":
+        return _digits(image_size, train)
+    if name == "fake":
+        g = torch.Generator().manual_seed(0 if train else 1)
+        return TensorDataset(torch.rand(fake_size, 1, image_size, image_size, generator=g) * 2 - 1,
+                             torch.randint(0, 10, (fake_size,), generator=g))
+    root = Path(root)
+    if not download and not root.is_dir():
+        raise DatasetNotFound(f"--data-root {root} does not exist; dataset {name!r} expects {_EXPECTED[name]} "
+                              f"there. Create it, or pass --download to fetch the dataset.")
+    dataset = _torchvision(name, root, image_size, train, download)
+    if len(dataset) == 0:
+        raise DatasetNotFound(f"dataset {name!r} under {root} is empty; expected {_EXPECTED[name]}")
+    return dataset
+
+
+def make_loader(dataset, batch_size: int, seed: int, num_workers: int = 0, rank: int = 0, world_size: int = 1):
+    """Shuffled batches in an order fixed by (seed, epoch); each of `world_size` ranks takes its share."""
+    if batch_size * world_size > len(dataset):
+        raise ValueError(f"--batch-size {batch_size} x {world_size} process(es) is more than the "
+                         f"{len(dataset)} examples of the dataset")
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                 drop_last=True)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=num_workers,
+                      persistent_workers=num_workers > 0)
