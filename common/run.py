@@ -268,8 +268,10 @@ class Bookkeeping:
             return stop.report(run, state["step"])
     """
 
-    def __init__(self, config, state: dict, run: RunDir, stop: StopRequests, name: str):
-        self.config, self.state, self.run, self.stop = config, state, run, stop
+    def __init__(self, config, state: dict, run: RunDir, stop: StopRequests, name: str, loggers=()):
+        """`loggers`: objects with Lightning's `log_metrics(metrics, step)` and `finalize(status)` (the wrapped
+        scripts pass core.loggers'), which get every record that goes to metrics.jsonl."""
+        self.config, self.state, self.run, self.stop, self.loggers = config, state, run, stop, list(loggers)
         self.progress = tqdm(total=config.max_steps, initial=state["step"], disable=not run.write, desc=name)
 
     def end_step(self, step: int, loss: torch.Tensor, metrics) -> bool:
@@ -281,7 +283,10 @@ class Bookkeeping:
         log = self.state["step"] % self.config.log_every == 0 or self.state["step"] == self.config.max_steps
         stopping = self.stop.check(step, loss if log else None, self.run.checkpoint)
         if log:
-            self.run.log({"step": self.state["step"], **metrics()})
+            record = metrics()
+            self.run.log({"step": self.state["step"], **record})
+            for logger in self.loggers:
+                logger.log_metrics(record, step=self.state["step"])
         return stopping
 
     def checkpoint_due(self) -> bool:
@@ -297,6 +302,8 @@ class Bookkeeping:
         again, and check the weights."""
         self.progress.close()
         self.stop.close()
+        for logger in self.loggers:
+            logger.finalize("stopped" if self.stop.reason else "success")
         check_weights(self.state, self.state["step"], self.run.checkpoint)
 
 

@@ -1,5 +1,6 @@
 """The flags a wrapped training script gains from core: accelerator, strategy, devices, nodes, precision."""
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,9 @@ class FabricFlags:
                 "per visible GPU with cuda, 1 on cpu, the number started by torchrun or SLURM under them"})
     num_nodes: int = field(default=1, metadata={"help": "machines (more than one needs torchrun or SLURM)"})
     precision: str = field(default="32-true", metadata={"help": "numeric precision", "choices": tuple(PRECISIONS)})
+    logger: str = field(default="csv", metadata={
+        "help": "where the log records go besides metrics.jsonl: csv (metrics.csv in the run directory), tensorboard "
+                "(tensorboard/ in it; needs the tensorboard extra), or none", "choices": ("csv", "tensorboard", "none")})
 
     def check(self):
         parent = getattr(super(), "check", None)  # the workload's Config, merged after this class
@@ -40,10 +44,22 @@ class FabricFlags:
             check_installed(self.strategy, device_kind(self.accelerator))
         except ImportError as error:
             raise ValueError(str(error)) from None
+        if self.logger == "tensorboard":
+            try:
+                import tensorboard  # noqa: F401
+            except ImportError:
+                raise ValueError("--logger tensorboard needs the tensorboard package: pip install -e "
+                                 "'.[tensorboard]', or use --logger csv") from None
 
     def on_failure(self) -> None:
         """Called by the CLI before it exits with an error: this rank's exit must not wait for the others."""
         launcher.mark_failed()
+
+    def loggers(self, run_dir) -> list:
+        """The loggers --logger asks for, writing into the run directory (on rank 0)."""
+        from core.loggers import CSVLogger, TensorBoardLogger
+        return {"csv": [CSVLogger(run_dir)], "tensorboard": [TensorBoardLogger(Path(run_dir) / "tensorboard")],
+                "none": []}[self.logger]
 
     def fabric_options(self) -> dict:
         devices = int(self.devices) if self.devices.isdigit() else self.devices

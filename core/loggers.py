@@ -19,13 +19,15 @@ def _is_rank_zero() -> bool:
 
 class CSVLogger:
     """`root_dir/metrics.csv`: one row per `log_metrics` call, a `step` column and one column per metric
-    name seen so far (the file is rewritten with the wider header when a new name appears)."""
+    name seen so far (the file is rewritten with the wider header when a new name appears). A file already
+    there (a resumed run) keeps its rows up to the first step logged now."""
 
     def __init__(self, root_dir, flush_every: int = 100):
         self.log_dir = Path(root_dir)
         self.path = self.log_dir / "metrics.csv"
         self.flush_every = flush_every
         self._rows, self._columns, self._written = [], ["step"], 0
+        self._merged = False  # whether an existing file's rows were taken in
         atexit.register(self.save)  # rows logged since the last flush are written when the script ends
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
@@ -46,6 +48,9 @@ class CSVLogger:
         if not _is_rank_zero() or self._written == len(self._rows):
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if not self._merged:
+            self._merged = True
+            self._take_in_existing_rows()
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         with open(tmp, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=self._columns)
@@ -56,6 +61,18 @@ class CSVLogger:
 
     def finalize(self, status: str = "success") -> None:
         self.save()
+
+    def _take_in_existing_rows(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, newline="") as f:
+            reader = csv.DictReader(f)
+            rows, columns = list(reader), reader.fieldnames or []
+        first = next((row["step"] for row in self._rows if row["step"] is not None), None)
+        kept = [row for row in rows if first is None or not row.get("step", "").isdigit() or int(row["step"]) < first]
+        self._rows = kept + self._rows
+        self._written = 0
+        self._columns = columns + [name for name in self._columns if name not in columns]
 
 
 class TensorBoardLogger:

@@ -172,3 +172,17 @@ def test_cli_misuse_exits_2_with_one_line(args, message, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("python -m gan.train: error:"), result.stderr
     assert message in lines[0]
+
+
+def test_logs_go_to_the_chosen_logger_too_and_survive_a_resume(tmp_path):
+    import csv
+    config = merge(Config, FabricFlags)
+    train.main(config(**TINY, max_steps=4, out=str(tmp_path / "run"), accelerator="cpu"))  # --logger csv: default
+    train.main(config(**TINY, max_steps=8, resume=str(tmp_path / "run"), accelerator="cpu"))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
+    assert [int(row["step"]) for row in rows] == [r["step"] for r in records] == [2, 4, 6, 8]
+    assert [float(row["loss_d"]) for row in rows] == [r["loss_d"] for r in records]
+    train.main(config(**TINY, max_steps=2, out=str(tmp_path / "tb"), accelerator="cpu", logger="tensorboard"))
+    assert any(path.name.startswith("events.out.tfevents") for path in (tmp_path / "tb" / "tensorboard").iterdir())
+    assert not (tmp_path / "tb" / "metrics.csv").exists()

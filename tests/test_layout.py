@@ -11,7 +11,7 @@ import pytest
 from benchmarks.workloads import WORKLOADS
 
 ROOT = Path(__file__).resolve().parent.parent
-BUDGETS = {"gan": 55, "autoencoder": 45, "metalearn": 45}  # changed lines, comments and blanks stripped
+BUDGETS = {"gan": 55, "autoencoder": 45, "metalearn": 46}  # changed lines, comments and blanks stripped
 
 
 def code_lines(path: Path) -> list[str]:

@@ -185,7 +185,7 @@ def test_bad_checkpoints_are_refused(finished_run, tmp_path, kind):
         path.write_bytes(pickle.dumps({"format": "core-checkpoint", "state": Exploit()}))
     message = cli_error(["--resume", str(path), "--out", str(tmp_path / "new")], tmp_path)
     expected = {"truncated": "truncated or corrupt", "corrupt": "truncated or corrupt",
-                "foreign": "not written by core", "malicious": "refused without running any of it",
+                "foreign": "has no ['discriminator'", "malicious": "refused without running any of it",
                 "missing": "no checkpoint at"}[kind]
     assert expected in message
     assert not marker.exists()
