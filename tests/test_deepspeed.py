@@ -95,26 +95,23 @@ def test_resume_takes_a_run_directory_or_a_checkpoint_directory(tmp_path):
 
 
 # --- one process ---------------------------------------------------------------------------------
-ONE_PROCESS = """
-import importlib, sys
-from common.config import merge, parse
-from core.cli import FabricFlags
-workload, out, strategies, *flags = sys.argv[1:]
-config_class = merge(importlib.import_module(f"{workload}.config").Config, FabricFlags)
-for strategy in strategies.split(","):
-    argv = [*flags, "--strategy", strategy, "--devices", "1", "--max-steps", "3", "--out", f"{out}/{strategy}"]
-    importlib.import_module(f"{workload}.train").main(parse(config_class, argv))
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("workload", sorted(TINY))
 def test_every_mode_runs_on_one_process_and_matches_single(tmp_path, workload):
-    """--devices 1 under each DeepSpeed mode: the run finishes and its weights are those of `single`
-    (the runs share one Python process, as torchrun would give them, to pay the start-up once)."""
-    script = tmp_path / "one_process.py"
-    script.write_text(textwrap.dedent(ONE_PROCESS))
-    run([str(script), workload, str(tmp_path), ",".join(["single", *MODES]), *TINY[workload]], timeout=300)
+    """`python -m WORKLOAD.train --strategy MODE --devices 1`, each its own command as a user runs it: the
+    run finishes and its weights are those of `--strategy single` (two commands at a time, 1 thread each)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    commands = {mode: [sys.executable, "-m", f"{workload}.train", *TINY[workload], "--strategy", mode, "--devices", "1",
+                       "--max-steps", "3", "--out", str(tmp_path / mode)] for mode in ("single", *MODES)}
+    pending, running = list(commands.items()), []
+    while pending or running:
+        while pending and len(running) < 2:
+            mode, command = pending.pop(0)
+            running.append((mode, subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                                   stderr=subprocess.STDOUT, text=True)))
+        mode, process = running.pop(0)
+        output = process.communicate(timeout=300)[0]
+        assert process.returncode == 0, f"{mode} exited {process.returncode}:\n{output[-3000:]}"
     single = final_weights(tmp_path / "single")
     for mode in MODES:
         assert max_difference(final_weights(tmp_path / mode), single) == 0.0, mode
