@@ -207,7 +207,8 @@ class Fabric:
 
     def _prepare(self, module: nn.Module, move_to_device: bool) -> nn.Module:
         self._set_up_modules.add(module)
-        if move_to_device and self._strategy.moves_module:
+        on_meta = any(p.device.type == "meta" for p in module.parameters())  # the strategy materialises it
+        if move_to_device and self._strategy.moves_module and not on_meta:
             module = module.to(self.device)
         return self._precision.convert_module(module)
 
@@ -440,13 +441,14 @@ class Fabric:
     def init_module(self, empty_init: bool | None = None):
         """Create modules inside this block directly on the device and, for the *-true precisions, in their
         dtype, instead of on the CPU in float32 first. `empty_init=True` skips the initialisation of weights
-        that a checkpoint will overwrite."""
+        that a checkpoint will overwrite; under fsdp it creates them on the meta device, so that no rank
+        holds the whole model: setup shards it, allocates each rank's shard and runs reset_parameters."""
         self._check_launched()
-        device = self.device if self._strategy.moves_module else torch.device("cpu")
+        device = self._strategy.module_init_device(empty_init)
         with ExitStack() as stack:
             stack.enter_context(device)
             stack.enter_context(self._precision.init_context())
-            if empty_init:
+            if empty_init and device.type != "meta":
                 stack.enter_context(SkipInit())
             yield
 

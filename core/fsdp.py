@@ -49,9 +49,7 @@ class FSDP(DDP):
         if kwargs:
             raise ValueError(f"Unknown fsdp options {sorted(kwargs)}; it takes wrap_modules, "
                              f"reshard_after_forward and cpu_offload.")
-        if any(p.device.type == "meta" for p in module.parameters()):
-            raise ValueError("The module has parameters on the meta device; materialise them (to_empty + init) "
-                             "before setup.")
+        on_meta = any(p.device.type == "meta" for p in module.parameters())
         for sub in list(module.modules())[1:]:
             if "mp_policy" in options and isinstance(sub, nn.modules.batchnorm._BatchNorm):
                 # BatchNorm keeps float32 running statistics; with bfloat16 weights it fails on CPU, so its
@@ -60,7 +58,17 @@ class FSDP(DDP):
             elif wrap_modules and isinstance(sub, wrap_modules):
                 fully_shard(sub, **options)
         fully_shard(module, **options)
+        if on_meta:  # made under init_module(empty_init=True): each rank allocates its shard only, then initialises it
+            module.to_empty(device=self.device)
+            with torch.no_grad():
+                for sub in module.modules():
+                    if callable(getattr(sub, "reset_parameters", None)):
+                        sub.reset_parameters()
         return module
+
+    def module_init_device(self, empty_init):
+        """The meta device with empty_init=True: nothing is allocated until setup has sharded the module."""
+        return torch.device("meta") if empty_init else self.device
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, **kwargs):
         """Shard the module, then point the optimizers at the sharded parameters that replaced theirs."""

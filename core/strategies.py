@@ -50,6 +50,11 @@ class SingleDevice:
     def setup_environment(self, env: dict | None) -> None:
         pass
 
+    def module_init_device(self, empty_init: bool | None) -> torch.device:
+        """Where Fabric.init_module creates modules: this process's device, or the CPU where an engine places
+        the module itself."""
+        return self.device if self.moves_module else torch.device("cpu")
+
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, **kwargs):
         forward_module = self.setup_module(module, **kwargs)
         return forward_module, optimizers

@@ -344,3 +344,49 @@ def test_a_compiled_module_under_ddp_compiles_the_ddp_wrapper():
     result = spawn(_compiled_under_ddp)
     assert result == {"synced": True, "keys": ["encoder.weight", "encoder.bias", "decoder.weight", "decoder.bias"],
                       "compiled": "OptimizedModule", "inner": "DistributedDataParallel"}
+
+
+FSDP_META_INIT = """
+import json, sys, torch
+from torch import nn
+from core import Fabric
+out, reference = sys.argv[1], sys.argv[2]
+fabric = Fabric(accelerator="cpu", strategy="fsdp", devices=2)
+fabric.launch()
+with fabric.init_module(empty_init=True):
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+on_meta = all(p.device.type == "meta" for p in model.parameters())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optimizer = fabric.setup(model, optimizer)
+shard_rows = model.module[0].weight.to_local().shape[0]
+fabric.load_raw(reference, model)  # the weights a checkpoint gives
+torch.manual_seed(fabric.global_rank)
+x = torch.randn(4, 8)
+fabric.backward(model(x).pow(2).mean())
+optimizer.step()
+state = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+if fabric.global_rank == 0:
+    json.dump({"on_meta": on_meta, "shard_rows": shard_rows, "state": state}, open(out, "w"))
+"""
+
+
+@pytest.mark.multiprocess
+def test_init_module_under_fsdp_creates_on_meta_and_setup_materialises_the_shards(tmp_path):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    torch.save(plain.state_dict(), tmp_path / "reference.pt")
+    script = tmp_path / "meta.py"
+    script.write_text(FSDP_META_INIT)
+    run([str(script), str(tmp_path / "out.json"), str(tmp_path / "reference.pt")], timeout=180)
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["on_meta"] and result["shard_rows"] == 8  # each rank holds half of the first layer
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    x0 = torch.randn(4, 8)
+    torch.manual_seed(1)
+    x1 = torch.randn(4, 8)
+    loss = (plain(x0).pow(2).mean() + plain(x1).pow(2).mean()) / 2  # DDP/FSDP average the two ranks' gradients
+    loss.backward()
+    optimizer.step()
+    for key, value in plain.state_dict().items():
+        assert torch.allclose(torch.tensor(result["state"][key]), value, atol=1e-6), key
