@@ -46,7 +46,7 @@ def main(config: Config) -> dict:
     write_config(run, config)
 
     stop = StopRequests(device, fabric.all_reduce)  # signals and NaNs, all ranks together
-    loop = Bookkeeping(config, state, run, stop, "autoencoder", config.loggers(run.path))
+    loop = Bookkeeping(config, state, run, stop, "autoencoder", config.loggers(run.path, state["step"]))
     started = time.time()
     for step, (images, _) in batches(loader, state["step"]):
         if step >= config.max_steps:

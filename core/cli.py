@@ -29,7 +29,8 @@ class FabricFlags:
     precision: str = field(default="32-true", metadata={"help": "numeric precision", "choices": tuple(PRECISIONS)})
     logger: str = field(default="csv", metadata={
         "help": "where the log records go besides metrics.jsonl: csv (metrics.csv in the run directory), tensorboard "
-                "(tensorboard/ in it; needs the tensorboard extra), or none", "choices": ("csv", "tensorboard", "none")})
+                "(tensorboard/ in it; needs the tensorboard extra), or none",
+        "choices": ("csv", "tensorboard", "none")})
 
     def check(self):
         parent = getattr(super(), "check", None)  # the workload's Config, merged after this class
@@ -55,11 +56,13 @@ class FabricFlags:
         """Called by the CLI before it exits with an error: this rank's exit must not wait for the others."""
         launcher.mark_failed()
 
-    def loggers(self, run_dir) -> list:
-        """The loggers --logger asks for, writing into the run directory (on rank 0)."""
+    def loggers(self, run_dir, start_step: int = 0) -> list:
+        """The loggers --logger asks for, writing into the run directory (on rank 0); a run resumed at
+        `start_step` keeps the CSV rows up to that step."""
         from core.loggers import CSVLogger, TensorBoardLogger
-        return {"csv": [CSVLogger(run_dir)], "tensorboard": [TensorBoardLogger(Path(run_dir) / "tensorboard")],
-                "none": []}[self.logger]
+        if self.logger == "csv":
+            return [CSVLogger(run_dir, start_step=start_step)]
+        return [TensorBoardLogger(Path(run_dir) / "tensorboard")] if self.logger == "tensorboard" else []
 
     def fabric_options(self) -> dict:
         devices = int(self.devices) if self.devices.isdigit() else self.devices

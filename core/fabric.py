@@ -7,6 +7,7 @@
     loader = fabric.setup_dataloaders(loader)
     fabric.backward(loss)
 """
+import os
 import weakref
 from contextlib import ExitStack, contextmanager
 
@@ -330,13 +331,15 @@ class Fabric:
     @contextmanager
     def rank_zero_first(self, local: bool = False):
         """Run the block on rank 0 (each node's local rank 0 with `local=True`) first, then on the other ranks,
-        e.g. a download into a shared directory."""
+        e.g. a download into a shared directory. The others wait up to CORE_RANK_ZERO_FIRST_TIMEOUT seconds
+        (4 hours)."""
         first = (self.local_rank if local else self.global_rank) == 0
+        timeout = float(os.environ.get("CORE_RANK_ZERO_FIRST_TIMEOUT", 4 * 3600))  # a download may take hours
         if not first:
-            self.barrier()
+            self._strategy.barrier(timeout)
         yield
         if first:
-            self.barrier()
+            self._strategy.barrier(timeout)
 
     def all_reduce(self, data, group=None, reduce_op="mean"):
         """Reduce a tensor, a number, or every tensor and number inside lists, tuples and dicts, across

@@ -8,6 +8,7 @@ Checkpoints hold full (unsharded) state dicts keyed by parameter name, gathered 
 saved on N processes resumes on any number of processes. The cost is rank 0 holding the full model
 and optimizer state in CPU memory while saving.
 """
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -49,7 +50,7 @@ class FSDP(DDP):
         if kwargs:
             raise ValueError(f"Unknown fsdp options {sorted(kwargs)}; it takes wrap_modules, "
                              f"reshard_after_forward and cpu_offload.")
-        on_meta = any(p.device.type == "meta" for p in module.parameters())
+        on_meta = any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
         for sub in list(module.modules())[1:]:
             if "mp_policy" in options and isinstance(sub, nn.modules.batchnorm._BatchNorm):
                 # BatchNorm keeps float32 running statistics; with bfloat16 weights it fails on CPU, so its
@@ -60,10 +61,19 @@ class FSDP(DDP):
         fully_shard(module, **options)
         if on_meta:  # made under init_module(empty_init=True): each rank allocates its shard only, then initialises it
             module.to_empty(device=self.device)
+            left = set()
             with torch.no_grad():
                 for sub in module.modules():
                     if callable(getattr(sub, "reset_parameters", None)):
                         sub.reset_parameters()
+                    elif next(sub.parameters(recurse=False), None) is not None or \
+                            next(sub.buffers(recurse=False), None) is not None:
+                        left.add(type(sub).__name__)
+            if left:
+                warnings.warn(f"init_module(empty_init=True): {', '.join(sorted(left))} hold parameters or buffers "
+                              f"but have no reset_parameters(), so they are left uninitialised on each rank's shard. "
+                              f"Load a checkpoint into the model before training, give those modules a "
+                              f"reset_parameters(), or build the model without empty_init.", stacklevel=3)
         return module
 
     def module_init_device(self, empty_init):

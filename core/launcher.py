@@ -50,8 +50,8 @@ def from_cli(name: str, given, default):
     """A Fabric argument: as given, else from `fabric run`'s environment (LT_<NAME>), else `default`. A value
     given in the code that contradicts `fabric run`'s command line is an error, not a silent choice of one."""
     value = os.environ.get(f"LT_{name.upper()}")
-    if given is not None and str(given) == str(default):
-        given = None  # the default written out is not a choice that could contradict the command line
+    if given is not None and str(given) == str(default) and started_by_cli():
+        given = None  # under `fabric run`, the default written out does not contradict the command line
     if value is None or (given is not None and not started_by_cli()):
         return default if given is None else given
     if given is not None and str(given) != value:

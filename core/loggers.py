@@ -19,15 +19,18 @@ def _is_rank_zero() -> bool:
 
 class CSVLogger:
     """`root_dir/metrics.csv`: one row per `log_metrics` call, a `step` column and one column per metric
-    name seen so far (the file is rewritten with the wider header when a new name appears). A file already
-    there (a resumed run) keeps its rows up to the first step logged now."""
+    name seen so far. Rows are appended every `flush_every` calls and at the end; the file is rewritten only
+    when a new metric name widens the header. `start_step`: the step a resumed run continues from; the rows
+    of an earlier file up to it are kept, the later ones (logged after that checkpoint) dropped. Without it,
+    an earlier file is continued as it is."""
 
-    def __init__(self, root_dir, flush_every: int = 100):
+    def __init__(self, root_dir, flush_every: int = 100, start_step: int | None = None):
         self.log_dir = Path(root_dir)
         self.path = self.log_dir / "metrics.csv"
-        self.flush_every = flush_every
-        self._rows, self._columns, self._written = [], ["step"], 0
-        self._merged = False  # whether an existing file's rows were taken in
+        self.flush_every, self.start_step = flush_every, start_step
+        self._rows, self._columns = [], ["step"]
+        self._written, self._written_columns = 0, None  # rows in the file, and its header
+        self._opened = False  # whether an existing file has been read
         atexit.register(self.save)  # rows logged since the last flush are written when the script ends
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
@@ -45,18 +48,23 @@ class CSVLogger:
                 csv.writer(f).writerows(sorted(params.items()))
 
     def save(self) -> None:
-        if not _is_rank_zero() or self._written == len(self._rows):
+        if not _is_rank_zero() or (self._opened and self._written == len(self._rows)):
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        if not self._merged:
-            self._merged = True
+        if not self._opened:
+            self._opened = True
             self._take_in_existing_rows()
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self._columns)
-            writer.writeheader()
-            writer.writerows(self._rows)
-        os.replace(tmp, self.path)
+        if self._written_columns == self._columns:  # the header holds: append the new rows
+            with open(self.path, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=self._columns).writerows(self._rows[self._written:])
+        else:
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=self._columns)
+                writer.writeheader()
+                writer.writerows(self._rows)
+            os.replace(tmp, self.path)
+            self._written_columns = list(self._columns)
         self._written = len(self._rows)
 
     def finalize(self, status: str = "success") -> None:
@@ -67,12 +75,12 @@ class CSVLogger:
             return
         with open(self.path, newline="") as f:
             reader = csv.DictReader(f)
-            rows, columns = list(reader), reader.fieldnames or []
-        first = next((row["step"] for row in self._rows if row["step"] is not None), None)
-        kept = [row for row in rows if first is None or not row.get("step", "").isdigit() or int(row["step"]) < first]
-        self._rows = kept + self._rows
-        self._written = 0
+            rows, columns = list(reader), list(reader.fieldnames or [])
+        if self.start_step is not None:
+            rows = [row for row in rows if not row.get("step", "").isdigit() or int(row["step"]) <= self.start_step]
+        self._rows = rows + self._rows
         self._columns = columns + [name for name in self._columns if name not in columns]
+        self._written, self._written_columns = 0, None  # rewrite once with the kept rows
 
 
 class TensorBoardLogger:

@@ -92,7 +92,10 @@ class Precision:
         return None
 
     def deepspeed_config(self) -> dict:
-        """The DeepSpeed config entries of this mode."""
+        """The DeepSpeed config entries of this mode (a mode in another dtype than float32 must say its own)."""
+        if self.dtype != torch.float32:
+            raise ValueError(f"precision={self.name!r} has no DeepSpeed config: its class does not define "
+                             f"deepspeed_config(), so the engine would run in float32 on {self.dtype} inputs.")
         return {}
 
     def under_engine(self) -> "Precision":

@@ -8,11 +8,12 @@ import torch
 SEED_VARIABLE, WORKERS_VARIABLE = "PL_GLOBAL_SEED", "PL_SEED_WORKERS"  # Lightning's names, so either seeds the other
 
 
-def seed_everything(seed: int | None = None, workers: bool = False) -> int:
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = False) -> int:
     """Seed Python's `random`, NumPy and torch (all devices); return the seed. `seed=None` takes the seed a
     launcher or an earlier call left in the environment (PL_GLOBAL_SEED), else 0. The seed is also what
     `setup_dataloaders` gives the DistributedSampler it injects; with `workers=True` each data-loader worker
-    of a set-up loader seeds `random`, NumPy and torch from (torch's seed for that worker, its rank)."""
+    of a set-up loader seeds `random`, NumPy and torch from (torch's seed for that worker, its rank).
+    `verbose=True` prints the seed (Lightning's default; core's is quiet)."""
     if seed is None:
         seed = int(os.environ.get(SEED_VARIABLE, 0))
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -24,6 +25,8 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
     random.seed(seed)
     numpy.random.seed(seed)
     torch.manual_seed(seed)
+    if verbose:
+        print(f"Seed set to {seed}")
     return seed
 
 

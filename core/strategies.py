@@ -7,6 +7,7 @@ STRATEGIES maps each name to its class and options; a new strategy is one class 
 """
 import importlib
 import inspect
+from datetime import timedelta
 import warnings
 from contextlib import contextmanager, nullcontext
 
@@ -86,7 +87,7 @@ class SingleDevice:
         torch.nn.utils.clip_grad_value_(module.parameters(), clip_val)
 
     # collectives: identities on one process
-    def barrier(self) -> None:
+    def barrier(self, timeout: float | None = None) -> None:
         pass
 
     def all_reduce(self, tensor, op, group=None):
@@ -177,8 +178,12 @@ class DDP(SingleDevice):
         forward = module._forward_module
         return forward.no_sync() if isinstance(forward, DistributedDataParallel) else nullcontext()
 
-    def barrier(self) -> None:
-        dist.barrier()
+    def barrier(self, timeout: float | None = None) -> None:
+        """All ranks meet; `timeout` (seconds) bounds the wait where it is not the process group's."""
+        if timeout is None:
+            dist.barrier()
+        else:  # gloo's barrier with its own bound (on CUDA the group has gloo beside nccl for this)
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout))
 
     def all_reduce(self, tensor, op, group=None):
         """`op`: a torch ReduceOp, or "mean" (a sum divided by the number of processes)."""
@@ -189,8 +194,9 @@ class DDP(SingleDevice):
     def all_gather(self, tensor, group=None, sync_grads: bool = False):
         if sync_grads:
             return _GatherWithGradients.apply(tensor, group)
+        tensor = tensor.contiguous()  # empty_like keeps strides: the buffers must be contiguous too
         gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, tensor.contiguous(), group=group)
+        dist.all_gather(gathered, tensor, group=group)
         return torch.stack(gathered)
 
     def broadcast(self, obj, src: int = 0):
@@ -209,8 +215,9 @@ class _GatherWithGradients(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):
         ctx.group = group
+        tensor = tensor.contiguous()  # empty_like keeps strides: the buffers must be contiguous too
         gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, tensor.contiguous(), group=group)
+        dist.all_gather(gathered, tensor, group=group)
         return torch.stack(gathered)
 
     @staticmethod

@@ -54,6 +54,19 @@ class FabricModule(nn.Module):
         for name in STEP_METHODS:  # a LightningModule-style step runs the model: route it like forward
             if callable(getattr(type(original_module), name, None)):
                 self.mark_forward_method(name)
+        d["_ready"] = True  # from here on, attributes set on the wrapper go to the original module
+
+    def __setattr__(self, name: str, value) -> None:
+        """`model.scale = 0.5` on a set-up module sets it on the original module, which its forward reads; an
+        attribute both have (`training`) is set on both."""
+        if not self.__dict__.get("_ready"):
+            return super().__setattr__(name, value)
+        original = self._original_module
+        own = name in dir(self)
+        if own:
+            super().__setattr__(name, value)
+        if hasattr(original, name) or not own:
+            setattr(original, name, value)
 
     def forward(self, *args, **kwargs):
         precision = self._precision
@@ -99,18 +112,27 @@ class FabricModule(nn.Module):
 
     def _redirected(self, name: str):
         method = getattr(self._original_module, name)
+        wrapper = weakref.ref(self)  # the method is stored on the wrapper: a strong reference would be a cycle
 
         def call(*args, **kwargs):
-            original = self._original_module
+            this = wrapper()
+            original = this._original_module
+            own_forward = original.__dict__.get("forward")  # a forward set on the instance by its user
+
+            def put_back():
+                if own_forward is None:
+                    original.__dict__.pop("forward", None)
+                else:
+                    original.__dict__["forward"] = own_forward
 
             def once(*inner_args, **inner_kwargs):
-                del original.forward  # inside the method, `self(...)` is the module's own forward again
+                put_back()  # inside the method, `self(...)` is the module's own forward again
                 return method(*inner_args, **inner_kwargs)
-            original.forward = once  # the strategy wrapper calls the module, which runs `once` as its forward
+            original.__dict__["forward"] = once  # the strategy wrapper calls the module, which runs `once`
             try:
-                return FabricModule.forward(self, *args, **kwargs)
+                return FabricModule.forward(this, *args, **kwargs)
             finally:
-                original.__dict__.pop("forward", None)
+                put_back()
         return call
 
     def __getattr__(self, name: str):
@@ -236,9 +258,10 @@ class FabricDataLoader:
 
 
 def shard_loader(loader: DataLoader, world_size: int, rank: int, seed: int) -> DataLoader:
-    """The same loader with a sampler that gives this rank its share. A Random or Sequential sampler becomes a
-    DistributedSampler (shuffle kept; seeded by the loader's generator, else `seed`); any other sampler is
-    drawn whole each pass and shared out (ShardedSampler)."""
+    """The same loader with a sampler that gives this rank its share, as Lightning builds it: a Random or
+    Sequential sampler becomes a DistributedSampler (shuffle kept, seeded with `seed`, padded to equal shares);
+    any other sampler is drawn whole each pass and shared out (ShardedSampler). The loader's own drop_last
+    still drops the last short batch."""
     sampler = loader.sampler
     if isinstance(sampler, DistributedSampler):
         if sampler.num_replicas == world_size and sampler.rank == rank:
@@ -246,12 +269,10 @@ def shard_loader(loader: DataLoader, world_size: int, rank: int, seed: int) -> D
         new_sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank, shuffle=sampler.shuffle,
                                          seed=sampler.seed, drop_last=loader.drop_last)
     elif isinstance(sampler, (RandomSampler, SequentialSampler)):
-        seed = loader.generator.initial_seed() if loader.generator is not None else seed
         new_sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
-                                         shuffle=isinstance(sampler, RandomSampler), seed=seed,
-                                         drop_last=loader.drop_last)
+                                         shuffle=isinstance(sampler, RandomSampler), seed=seed)
     else:
-        new_sampler = ShardedSampler(sampler, world_size, rank, loader.drop_last)
+        new_sampler = ShardedSampler(sampler, world_size, rank)
     if loader.batch_size is None:
         raise ValueError("setup_dataloaders cannot shard a loader built with batch_sampler: build it with "
                          "batch_size, or pass use_distributed_sampler=False and shard it yourself.")

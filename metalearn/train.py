@@ -46,7 +46,7 @@ def main(config: Config) -> dict:
     write_config(run, config)
 
     stop = StopRequests(device, fabric.all_reduce)  # signals and NaNs, all ranks together
-    loop = Bookkeeping(config, state, run, stop, "metalearn", config.loggers(run.path))
+    loop = Bookkeeping(config, state, run, stop, "metalearn", config.loggers(run.path, state["step"]))
     started = time.time()
     for step in range(state["step"], config.max_steps):
         # every rank draws the whole meta-batch from (seed, step) and keeps its own share of the tasks

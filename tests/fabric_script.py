@@ -17,23 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--impl", choices=("core", "lightning"), required=True)
-parser.add_argument("--devices", type=int, default=1)
-parser.add_argument("--precision", default="32-true")
-parser.add_argument("--out", required=True)
-parser.add_argument("--loss-in-forward", action="store_true", help="model(x) instead of model.training_step(batch): "
-                    "Lightning runs a plain module's training_step outside autocast, core inside")
-args = parser.parse_args()
-
-if args.impl == "core":
-    from core import Fabric
-    from core.loggers import CSVLogger
-else:
-    from lightning.fabric import Fabric
-    from lightning.fabric.loggers import CSVLogger
-
-
 class AutoEncoder(nn.Module):
     def __init__(self):
         super().__init__()
@@ -57,6 +40,22 @@ class EpochRecorder:
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", choices=("core", "lightning"), required=True)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--loss-in-forward", action="store_true", help="model(x) instead of model.training_step(batch): "
+                        "Lightning runs a plain module's training_step outside autocast, core inside")
+    args = parser.parse_args()
+
+    if args.impl == "core":
+        from core import Fabric
+        from core.loggers import CSVLogger
+    else:
+        from lightning.fabric import Fabric
+        from lightning.fabric.loggers import CSVLogger
+
     recorder = EpochRecorder()
     root = os.path.dirname(os.path.abspath(args.out))
     fabric = Fabric(accelerator="cpu", devices=args.devices, precision=args.precision,

@@ -93,11 +93,35 @@ def test_guard_allows_activation_checkpointing_to_recompute_a_child():
 
 
 def test_guard_leaves_with_its_wrapper():
-    original = Net()
+    class WithStep(Net):
+        def training_step(self, x):  # routed through the wrapper: its redirection must not keep the wrapper alive
+            return self(x).sum()
+
+    original = WithStep()
     model = guarded(original)
+    model.training_step(torch.randn(3, 4))
     del model
-    original.body(torch.randn(3, 4))  # a plain module again
+    original.body(torch.randn(3, 4))  # a plain module again, without waiting for the garbage collector
     assert not original.body._forward_pre_hooks
+
+
+def test_attributes_set_on_the_set_up_module_reach_the_original():
+    class Scaled(Net):
+        scale = 1.0
+
+        def forward(self, x):
+            return super().forward(x) * self.scale
+
+    original = Scaled()
+    model = Fabric(accelerator="cpu", precision="bf16-mixed").setup(original)
+    model.scale = 0.0
+    assert original.scale == 0.0 and torch.equal(model(torch.randn(3, 4)), torch.zeros(3, 2))
+    model.eval()
+    assert not model.training and not original.training
+    forward = original.forward = lambda x: torch.zeros(x.shape[0], 2)  # a forward set on the instance
+    model.mark_forward_method("generate")
+    assert torch.equal(model.generate(torch.ones(3, 4), steps=1)[:, 2:], torch.zeros(3, 2))  # generate used it
+    assert original.__dict__["forward"] is forward  # kept through the marked method's redirection
 
 
 # --- registries ----------------------------------------------------------------------------------
@@ -113,15 +137,19 @@ class Float64True(precisions.Precision):
 
 
 def test_a_precision_added_through_the_registry(monkeypatch):
-    monkeypatch.setitem(precisions.PRECISIONS, "64-true", Float64True)  # what register_precision does, undone after
-    fabric = Fabric(accelerator="cpu", precision="64-true")
+    monkeypatch.setattr(precisions, "PRECISIONS", dict(precisions.PRECISIONS))  # the table is restored after
+    precisions.register_precision("toy-64", Float64True)
+    fabric = Fabric(accelerator="cpu", precision="toy-64")
+    assert type(fabric._precision) is Float64True
     model = fabric.setup(Net())
     assert model.module.body.weight.dtype == torch.float64
     assert model(torch.randn(3, 4)).dtype == torch.float64
     with pytest.raises(TypeError, match="subclass of core.precision.Precision"):
         precisions.register_precision("broken", object)
-    with pytest.raises(ValueError, match="Unknown precision '65-true'. Choose one of: 32-true, .*64-true"):
+    with pytest.raises(ValueError, match="Unknown precision '65-true'. Choose one of: 32-true, .*toy-64"):
         Fabric(accelerator="cpu", precision="65-true")
+    with pytest.raises(ValueError, match="'toy-64' has no DeepSpeed config"):
+        fabric._precision.deepspeed_config()
 
 
 class CountingSteps(strategies.SingleDevice):

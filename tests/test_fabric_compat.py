@@ -99,6 +99,19 @@ def test_log_dict_writes_every_logger_and_call_filters_keywords(tmp_path):
     assert recorder.seen == [3, {"a": 1}]
 
 
+def test_csv_logger_resumed_at_a_step_keeps_the_rows_up_to_it(tmp_path):
+    first = CSVLogger(tmp_path)
+    for step in (10, 20, 30):  # logged every 10; the run then died after its checkpoint at 20
+        first.log_metrics({"loss": step / 10}, step=step)
+    first.finalize()
+    resumed = CSVLogger(tmp_path, start_step=20)
+    resumed.log_metrics({"loss": 2.5, "lr": 0.1}, step=25)  # resumed with another log interval and a new metric
+    resumed.finalize()
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [(row["step"], row["loss"], row["lr"]) for row in rows] == [("10", "1.0", ""), ("20", "2.0", ""),
+                                                                       ("25", "2.5", "0.1")]
+
+
 # --- modules ----------------------------------------------------------------------------------------
 class Steps(nn.Module):
     """LightningModule-style: the step method calls the children."""
@@ -144,18 +157,23 @@ def test_init_module_creates_on_the_device_in_the_dtype_and_can_skip_init():
 
 def test_load_raw_and_a_plain_torch_save_dict(tmp_path):
     fabric = Fabric(accelerator="cpu")
-    source, target = Steps(), nn.Module()
-    torch.manual_seed(1)
-    target = Steps()
-    target.encoder.reset_parameters()
-    model = fabric.setup(target)
+    source = Steps()
+    model = fabric.setup(Steps())
+    optimizer = torch.optim.SGD(source.parameters(), lr=0.1, momentum=0.9)
+    F.mse_loss(source(torch.ones(2, 4)), torch.zeros(2, 4)).backward()
+    optimizer.step()  # the source now differs from the set-up model, and its optimizer has state
     torch.save(source.state_dict(), tmp_path / "raw.pt")
     fabric.load_raw(tmp_path / "raw.pt", model)
     assert torch.equal(model.module.encoder.weight, source.encoder.weight)
-    torch.save({"model": source.state_dict(), "step": 7}, tmp_path / "plain.pt")  # a checkpoint made without core
-    state = {"model": model, "step": 0}
+
+    fresh = Steps()
+    wrapped, wrapped_optimizer = fabric.setup(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9))
+    torch.save({"model": source.state_dict(), "optimizer": optimizer.state_dict(), "step": 7}, tmp_path / "plain.pt")
+    state = {"model": wrapped, "optimizer": wrapped_optimizer, "step": 0}  # a checkpoint made without core
     fabric.load(tmp_path / "plain.pt", state)
-    assert state["step"] == 7
+    assert state["step"] == 7 and torch.equal(wrapped.module.decoder.bias, source.decoder.bias)
+    assert torch.equal(wrapped_optimizer.state_dict()["state"][0]["momentum_buffer"],
+                       optimizer.state_dict()["state"][0]["momentum_buffer"])
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
@@ -232,17 +250,23 @@ def test_custom_samplers_are_shared_out_under_ddp_and_the_seed_is_seed_everythin
 
 # --- collectives and rank order -------------------------------------------------------------------------
 def _collectives(fabric, path):
+    import time
     rank = fabric.global_rank
     with fabric.rank_zero_first():
         if rank == 0:
+            time.sleep(1)  # rank 1, were it not waiting, would look for the file now
             with open(path, "w") as f:
                 f.write("written by rank 0")
-        first = open(path).read()
+        found = os.path.exists(path)
+    found_on_every_rank = bool(fabric.all_reduce(torch.tensor(int(found)), reduce_op="min"))
+    logger = CSVLogger(os.path.dirname(path))  # both ranks log; only rank 0 writes
+    logger.log_metrics({"rank": rank}, step=0)
+    logger.finalize()
     data = {"loss": torch.tensor(float(rank + 1)), "parts": [rank + 1, torch.tensor([rank, 10 * rank])]}
     x = torch.tensor([1.0, 2.0], requires_grad=True)
     gathered = fabric.all_gather(x * (rank + 1), sync_grads=True)
     gathered.sum().backward()
-    return {"first": first, "mean": fabric.all_reduce(data)["loss"].item(),
+    return {"first": found_on_every_rank, "mean": fabric.all_reduce(data)["loss"].item(),
             "sum": fabric.all_reduce(data, reduce_op="sum")["parts"][1].tolist(),
             "max": fabric.all_reduce(data, reduce_op="max")["parts"][0].item(),
             "min": fabric.all_reduce(torch.tensor(rank + 1.0), reduce_op="min").item(),
@@ -253,7 +277,8 @@ def _collectives(fabric, path):
 @pytest.mark.multiprocess
 def test_rank_zero_first_and_collectives_over_collections(tmp_path):
     result = spawn(_collectives, str(tmp_path / "shared.txt"))
-    assert result["first"] == "written by rank 0"
+    assert result["first"]  # rank 1 found the file rank 0 wrote first
+    assert list(csv.DictReader(open(tmp_path / "metrics.csv"))) == [{"step": "0", "rank": "0"}]
     assert result["mean"] == 1.5 and result["sum"] == [1, 10] and result["max"] == 2 and result["min"] == 1.0
     assert result["gather"] == [0, 1]
     # both ranks' losses sum rank 0's slice x * 1; its gradient comes back summed over the 2 ranks: 2 * 1
@@ -283,8 +308,8 @@ def test_step_methods_go_through_the_ddp_wrapper():
 def run_script(tmp_path, impl: str, devices: int, precision: str = "32-true") -> dict:
     out = tmp_path / impl / f"result-{devices}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Lightning routes training_step through the wrapper (autocast) only for a LightningModule; core does for
-    # any module, so under a mixed precision the two compare the loss computed in forward
+    # on one device Lightning calls training_step directly (outside autocast); core routes it through the
+    # wrapper everywhere, so under a mixed precision the two compare the loss computed in forward
     forward = ["--loss-in-forward"] if precision != "32-true" else []
     run(["tests/fabric_script.py", "--impl", impl, "--devices", str(devices), "--precision", precision,
          "--out", str(out), *forward], timeout=300)
@@ -302,6 +327,15 @@ def test_a_fabric_script_gives_lightnings_losses_bitwise(tmp_path, devices, prec
     theirs = run_script(tmp_path, "lightning", devices, precision)
     assert ours["losses"] == theirs["losses"]
     assert ours["weights"] == theirs["weights"]
+    if devices == 1:  # what Lightning's fabric.save wrote loads on core, optimizer state included
+        from tests.fabric_script import AutoEncoder
+        fabric = Fabric(accelerator="cpu")
+        model = AutoEncoder()
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(tmp_path / "lightning" / "lightning.ckpt", state)
+        assert state["step"] == 24 and {k: v.tolist() for k, v in model.state_dict().items()} == theirs["weights"]
+        assert len(optimizer.state) == len(list(model.parameters()))
 
 
 @pytest.mark.slow
