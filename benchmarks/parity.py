@@ -46,20 +46,18 @@ def _run(command, out: Path) -> dict:
     return {"step_ms": [1000 * t for t in per_step], "memory_mb": summary.get("peak_cuda_mb", summary["peak_rss_mb"])}
 
 
-def _weights(out: Path, variant: str) -> dict:
-    path = out / "checkpoints" / "last.ckpt"
-    if variant == "plain":
-        state = torch.load(path, weights_only=True)
-    elif path.is_dir():  # a DeepSpeed checkpoint: stage 1-2 keep whole module weights in model_states
-        from core.deepspeed import _check_files_are_safe
-        _check_files_are_safe(path)
-        state = {}
-        for engine in (p for p in path.iterdir() if p.is_dir()):
-            states = torch.load(engine / "mp_rank_00_model_states.pt", weights_only=False)  # checked above
-            state[engine.name] = states["module"]
+def run_weights(run_dir: Path) -> dict:
+    """Every floating-point tensor of the models in a run's last checkpoint, by "<key>.<name>", in float32: a
+    plain `torch.save` file, a core checkpoint file, or a DeepSpeed directory, whose ZeRO partitions (any stage)
+    DeepSpeed's zero_to_fp32 joins into full tensors (it unpickles: for this harness's own runs only)."""
+    path = Path(run_dir) / "checkpoints" / "last.ckpt"
+    if path.is_dir():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        state = {tag.name: get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag.name)
+                 for tag in path.iterdir() if tag.is_dir()}
     else:
         from core.checkpoint import load_checkpoint
-        state = load_checkpoint(path)
+        state = load_checkpoint(path, raw=True)
     return {f"{key}.{name}": value.float() for key, sub in state.items() if isinstance(sub, dict)
             for name, value in sub.items() if isinstance(value, torch.Tensor) and value.is_floating_point()}
 
@@ -83,7 +81,7 @@ def compare(workload: str, strategy: str, precision: str = "32-true", repeats: i
                 memory[variant].append(result["memory_mb"])
                 medians[variant] = statistics.median(result["step_ms"])
                 if repeat == repeats - 1:
-                    final[variant] = _weights(out, variant)
+                    final[variant] = run_weights(out)
                 else:
                     shutil.rmtree(out, ignore_errors=True)
             ratios.append(medians["wrapped"] / medians["plain"])

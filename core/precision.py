@@ -246,4 +246,6 @@ def make_precision(name, device: torch.device) -> Precision:
     if not isinstance(name, str) or name not in PRECISIONS:
         raise ValueError(f"Unknown precision {name!r}. Choose one of: {', '.join(PRECISIONS)} (or the aliases "
                          f"{', '.join(ALIASES)}, also as ints).")
-    return PRECISIONS[name](device)
+    mode = PRECISIONS[name](device)
+    mode.name = name  # the name it was registered under
+    return mode

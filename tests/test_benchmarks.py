@@ -105,3 +105,13 @@ def test_unknown_part_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit:
         bench.main(["--only", "speed"])
     assert exit.value.code == 2 and "unknown part" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_parity_reads_deepspeed_weights(monkeypatch):
+    """A DeepSpeed row compares the weights DeepSpeed saved (a directory) with plain DDP's file."""
+    pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+    monkeypatch.setitem(WORKLOADS, "autoencoder", dataclasses.replace(WORKLOADS["autoencoder"], parity_steps=(12, 3)))
+    row = parity.compare("autoencoder", "deepspeed_stage_2", repeats=1)
+    assert row["compared_tensors"] > 0 and row["weights_max_abs_diff"] < 1e-6

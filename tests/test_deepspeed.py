@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.workloads import WORKLOADS, flags
+from benchmarks.parity import run_weights
 from core import Fabric
-from core.checkpoint import load_checkpoint
 from tests.conftest import ROOT, run
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
@@ -24,21 +24,6 @@ MODES = ("deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspe
 # the default dataset (embedded digits) with small models, so a run takes seconds; on the CPU, where gloo and
 # the kernels are deterministic, so that comparisons can be exact
 TINY = {name: [*flags(w.small), "--accelerator", "cpu"] for name, w in WORKLOADS.items() if w.deepspeed}
-
-
-def final_weights(run_dir: Path) -> dict:
-    """Every floating-point tensor of the models in a run's last checkpoint: a core checkpoint file, or a
-    DeepSpeed directory, whose ZeRO partitions DeepSpeed's zero_to_fp32 joins into full tensors."""
-    path = run_dir / "checkpoints" / "last.ckpt"
-    if path.is_file():
-        models = {key: value for key, value in load_checkpoint(path).items()
-                  if isinstance(value, dict) and "optimizer" not in key}
-    else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        models = {tag.name: get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag.name)
-                  for tag in path.iterdir() if tag.is_dir()}
-    return {f"{key}.{name}": tensor for key, state in models.items() for name, tensor in state.items()
-            if tensor.is_floating_point()}
 
 
 def max_difference(a: dict, b: dict) -> float:
@@ -112,9 +97,9 @@ def test_every_mode_runs_on_one_process_and_matches_single(tmp_path, workload):
         mode, process = running.pop(0)
         output = process.communicate(timeout=300)[0]
         assert process.returncode == 0, f"{mode} exited {process.returncode}:\n{output[-3000:]}"
-    single = final_weights(tmp_path / "single")
+    single = run_weights(tmp_path / "single")
     for mode in MODES:
-        assert max_difference(final_weights(tmp_path / mode), single) == 0.0, mode
+        assert max_difference(run_weights(tmp_path / mode), single) == 0.0, mode
 
 
 ZERO_3_CHECKS = """
@@ -204,7 +189,7 @@ def test_gan_under_zero_2_matches_ddp_after_120_steps(tmp_path):
     runs = {strategy: start(tmp_path / strategy, strategy, 120) for strategy in ("ddp", "deepspeed_stage_2")}
     for process in runs.values():
         finish(process)
-    assert max_difference(final_weights(tmp_path / "deepspeed_stage_2"), final_weights(tmp_path / "ddp")) == 0.0
+    assert max_difference(run_weights(tmp_path / "deepspeed_stage_2"), run_weights(tmp_path / "ddp")) == 0.0
 
 
 @pytest.mark.multiprocess
@@ -226,6 +211,6 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, strategy):
     finish(reference)
     run(["-m", "gan.train", *TINY["gan"], "--strategy", strategy, "--devices", "2", "--max-steps", "40",
          "--log-every", "5", "--checkpoint-every", "5", "--resume", str(tmp_path / "killed")], timeout=300)
-    assert max_difference(final_weights(tmp_path / "killed"), final_weights(tmp_path / "reference")) < 1e-6
+    assert max_difference(run_weights(tmp_path / "killed"), run_weights(tmp_path / "reference")) < 1e-6
     steps = [json.loads(line)["step"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == 40  # each step logged once across the crash
