@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from core import checkpoint, launcher, validation
 from core.precision import map_nested, make_precision
 from core.seed import WorkerSeeder, global_seed, seed_everything, seed_workers
-from core.strategies import STRATEGIES, SingleDevice, frozen_parameters, make_strategy
+from core.strategies import SingleDevice, frozen_parameters, make_strategy
 from core.wrappers import (FabricDataLoader, FabricModule, FabricOptimizer, BackwardState, compile_like, move_to,
                            SkipInit, rebuild_loader, shard_loader, unwrap_compiled, wrap_optimizer)
 

@@ -15,6 +15,7 @@ import pytest
 from benchmarks.workloads import WORKLOADS, flags
 from benchmarks.parity import run_weights
 from core import Fabric
+from core.checkpoint import load_checkpoint
 from tests.conftest import ROOT, run
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")

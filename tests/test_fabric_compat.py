@@ -4,8 +4,6 @@ Lightning (where installed) with bitwise equal losses."""
 import csv
 import json
 import os
-import subprocess
-import sys
 
 import numpy
 import pytest
@@ -17,7 +15,7 @@ from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset, Wei
 from core import Fabric, seed_everything
 from core.loggers import CSVLogger, TensorBoardLogger
 from core.wrappers import ShardedSampler
-from tests.conftest import ROOT, run
+from tests.conftest import run
 
 
 def spawn(fn, *args, devices=2):
