@@ -1,12 +1,17 @@
 """Checkpoint files: atomic writes, safe reads, and errors that say what does not match.
 
-A checkpoint is one `torch.save` file: {"format": FORMAT, "version": 1, "state": {...}}. It is written
-to a temporary file beside the target, flushed to disk and renamed over it, so a crash mid-write
-leaves the previous checkpoint intact. It is read with `weights_only=True`: a file that would need
-arbitrary pickled objects to load is refused, and nothing in it is executed.
+One logical checkpoint, whatever the strategy: set-up modules as state dicts keyed by parameter name,
+optimizers keyed by parameter name too (`named_optimizer_state`), plus the plain values. single and ddp
+write it as one `torch.save` file: {"format": FORMAT, "version": VERSION, "state": {...}}, to a temporary
+file beside the target, flushed to disk and renamed over it, so a crash mid-write leaves the previous
+checkpoint intact. fsdp writes the same content sharded (`core/sharded.py`), deepspeed in its engines'
+own partitions (`core/deepspeed.py`); `read` turns any of them into the logical checkpoint. Files are read
+with `weights_only=True`: a file that would need arbitrary pickled objects to load is refused, and
+nothing in it is executed.
 """
 import os
 import pickle
+import shutil
 import warnings
 import zipfile
 from pathlib import Path
@@ -16,6 +21,7 @@ import torch
 from core.wrappers import FabricModule, FabricOptimizer
 
 FORMAT = "core-checkpoint"
+VERSION = 2  # 2: optimizer state keyed by parameter name (1: by index, still read)
 
 
 class CheckpointError(ValueError):
@@ -43,7 +49,27 @@ def atomic_save(obj, path) -> None:
 
 
 def save_checkpoint(state: dict, path) -> None:
-    atomic_save({"format": FORMAT, "version": 1, "state": state}, path)
+    atomic_save({"format": FORMAT, "version": VERSION, "state": state}, path)
+
+
+def clear_directory(tmp: Path, rank: int, barrier) -> None:
+    """Remove what a killed save left at `tmp` (rank 0), before every rank writes into it."""
+    if rank == 0 and tmp.exists():
+        shutil.rmtree(tmp)
+    barrier()
+
+
+def replace_directory(tmp: Path, path: Path, rank: int, barrier) -> None:
+    """Once every rank has written `tmp`: move it to `path` (rank 0). `path` is first moved aside to
+    `.NAME.old`, which `--resume` finds if the process dies between the two renames."""
+    barrier()
+    if rank == 0:
+        old = path.with_name(f".{path.name}.old")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+    barrier()
 
 
 def load_checkpoint(path, raw: bool = False) -> dict:
@@ -121,6 +147,66 @@ def check_state_dict(module: torch.nn.Module, state: dict, name: str, strict: bo
                               f"from a model of another shape or configuration?")
 
 
+def named_optimizer_state(state: dict, groups: list[list[str]]) -> dict:
+    """`optimizer.state_dict()` keyed by parameter name instead of position (the layout of
+    torch.distributed.checkpoint: state {name: {...}}, param_groups with "params": [names]), so that it loads
+    under any strategy. `groups`: the names of the parameters of each of the optimizer's groups, in order."""
+    if all(isinstance(i, str) for group in state["param_groups"] for i in group["params"]):
+        return state
+    saved = [i for group in state["param_groups"] for i in group["params"]]
+    names = [name for group in groups for name in group]
+    if len(saved) != len(names):
+        raise CheckpointError(f"The checkpoint's optimizer state is for {len(saved)} parameters, the optimizer has "
+                              f"{len(names)}. Was it saved with another model or optimizer?")
+    name_of = dict(zip(saved, names))  # torch numbers the parameters in the order of their groups
+    return {"state": {name_of[i]: value for i, value in state["state"].items()},
+            "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def indexed_optimizer_state(state: dict, groups: list[list[str]]) -> dict:
+    """The inverse, as torch.optim's load_state_dict takes it: each name becomes the position of that
+    parameter in this optimizer (torch pairs saved and current parameters by position within a group)."""
+    if not all(isinstance(i, str) for group in state["param_groups"] for i in group["params"]):
+        return state
+    if len(state["param_groups"]) != len(groups):
+        raise CheckpointError(f"The checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this "
+                              f"one {len(groups)}. Build the optimizer with the groups of the run that saved it.")
+    index = {name: i for i, name in enumerate(name for group in groups for name in group)}
+    out_groups = []
+    for number, (saved, names) in enumerate(zip(state["param_groups"], groups)):
+        if set(saved["params"]) != set(names):
+            differ = sorted(set(saved["params"]) ^ set(names))
+            raise CheckpointError(f"The checkpoint's optimizer group {number} does not hold the parameters of this "
+                                  f"one (differing: {', '.join(differ[:5])}). Was it saved with another model?")
+        out_groups.append({**saved, "params": [index[name] for name in names]})
+    return {"state": {index[name]: value for name, value in state["state"].items() if name in index},
+            "param_groups": out_groups}
+
+
+def parameter_names(optimizer, module: torch.nn.Module) -> list[list[str]]:
+    """The names in `module` of each group's parameters of `optimizer`, in order."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def read(path) -> dict:
+    """Any checkpoint core writes, or a dict `torch.save` wrote, as one logical checkpoint: full tensors on
+    the CPU, modules as state dicts and optimizers keyed by parameter name. A sharded directory is read
+    whole, a DeepSpeed one converted from its partitions."""
+    path = Path(path)
+    if path.is_dir():
+        from core import sharded
+
+        if sharded.is_sharded(path):
+            return sharded.read_full(path)
+        if (path / "state.pt").is_file():
+            from core.deepspeed import read_deepspeed
+
+            return read_deepspeed(path)
+    return load_checkpoint(path, raw=True)
+
+
 def collect(state: dict, strategy, precision, module_of: dict) -> dict:
     """What `fabric.save` writes for `state`: set-up modules and optimizers as the strategy's state dicts
     (with each optimizer's loss scale), other modules and optimizers as their state dicts, the rest as is.
@@ -155,7 +241,12 @@ def restore(saved: dict, state: dict, strategy, precision, module_of: dict, path
             strategy.load_module_state(value, saved[key], strict, key, path)
         elif isinstance(value, FabricOptimizer):
             entry = {"optimizer": saved[key], "scaler": None} if raw or "optimizer" not in saved[key] else saved[key]
-            strategy.load_optimizer_state(value.optimizer, module_of[id(value)], entry["optimizer"])
+            module = module_of[id(value)]
+            optimizer_state = entry["optimizer"]
+            if "param_groups" in optimizer_state:  # else a marker: restored with its DeepSpeed engine
+                optimizer_state = named_optimizer_state(optimizer_state, strategy.parameter_names(value.optimizer,
+                                                                                                  module))
+            strategy.load_optimizer_state(value.optimizer, module, optimizer_state)
             value.__dict__.update(state=value.optimizer.state, param_groups=value.optimizer.param_groups)
             precision.load_state_dict(value.optimizer, entry["scaler"])
         elif isinstance(value, torch.nn.Module):

@@ -427,7 +427,9 @@ class Fabric:
         """Restore `state`'s modules and optimizers in place, and its plain values; return what the
         checkpoint holds beyond `state` (everything, when `state` is None). Reads what Fabric.save wrote
         (core's or Lightning's) and any dict of state dicts saved with torch.save."""
-        saved = self._strategy.load_checkpoint(path)
+        held = None if state is None else \
+            (lambda: checkpoint.collect(state, self._strategy, self._precision, self._module_of))
+        saved = self._strategy.load_checkpoint(path, held)
         if state is None:
             return saved
         return checkpoint.restore(saved, state, self._strategy, self._precision, self._module_of, path, strict)

@@ -122,24 +122,43 @@ class FSDP(DDP):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
-    def _options(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # checkpoints: sharded (core/sharded.py); a one-file or DeepSpeed checkpoint loads whole and is sharded here
+    def save_checkpoint(self, path, state: dict) -> None:
+        from core import sharded
+        sharded.save(path, state, self.global_rank, self.barrier)
+
+    def load_checkpoint(self, path, held=None) -> dict:
+        """A sharded checkpoint is read straight into this rank's shards (`held()`: what `fabric.save` would
+        write now, DTensors of this rank), resharded by DCP to this number of processes."""
+        from core import sharded
+
+        if held is None or not sharded.is_sharded(path):
+            return super().load_checkpoint(path, held)
+        tensors = sharded.load_into(path, held())
+        return sharded.merge(tensors, sharded.read_rest(path))
 
     def module_state(self, wrapped) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
-        return get_model_state_dict(wrapped.module, options=self._options())
+        return get_model_state_dict(wrapped.module)  # this rank's shards, as DTensors
 
     def _load_state_dict(self, wrapped, state: dict, strict: bool) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        set_model_state_dict(wrapped.module, state, options=StateDictOptions(full_state_dict=True,
-                                                                                     strict=strict))
+        options = StateDictOptions(full_state_dict=not _sharded(state), strict=strict)
+        set_model_state_dict(wrapped.module, state, options=options)
 
     def optimizer_state(self, optimizer, wrapped_module) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-        return get_optimizer_state_dict(wrapped_module.module, optimizer, options=self._options())
+        return get_optimizer_state_dict(wrapped_module.module, optimizer)
 
     def load_optimizer_state(self, optimizer, wrapped_module, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        set_optimizer_state_dict(wrapped_module.module, optimizer, state,
-                                 options=StateDictOptions(full_state_dict=True))
+        options = StateDictOptions(full_state_dict=not _sharded(state))
+        set_optimizer_state_dict(wrapped_module.module, optimizer, state, options=options)
+
+
+def _sharded(tree) -> bool:
+    """Whether a state dict holds this rank's shards (DTensors) rather than full tensors."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(tree, dict):
+        return any(_sharded(value) for value in tree.values())
+    return isinstance(tree, DTensor)

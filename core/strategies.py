@@ -99,14 +99,19 @@ class SingleDevice:
     def broadcast(self, obj, src: int = 0):
         return obj
 
-    # checkpoints: a full state dict in one file, written by rank 0
+    # checkpoints: the logical checkpoint (full state dicts keyed by name) in one file, written by rank 0
     def save_checkpoint(self, path, state: dict) -> None:
         if self.global_rank == 0:
             checkpoint.save_checkpoint(state, path)
         self.barrier()
 
-    def load_checkpoint(self, path) -> dict:
-        return checkpoint.load_checkpoint(path, raw=True)
+    def load_checkpoint(self, path, held=None) -> dict:
+        """What `path` holds, for `restore` to load: here any format, read whole. `held()` gives what this
+        process holds now in the layout `fabric.save` writes, for strategies that read into it in place."""
+        return checkpoint.read(path)
+
+    def parameter_names(self, optimizer, wrapped_module) -> list[list[str]]:
+        return checkpoint.parameter_names(optimizer, wrapped_module.module)
 
     def module_state(self, wrapped) -> dict:
         return wrapped.module.state_dict()
@@ -119,10 +124,11 @@ class SingleDevice:
         wrapped.module.load_state_dict(state, strict=strict)
 
     def optimizer_state(self, optimizer, wrapped_module) -> dict:
-        return optimizer.state_dict()
+        return checkpoint.named_optimizer_state(optimizer.state_dict(), self.parameter_names(optimizer, wrapped_module))
 
     def load_optimizer_state(self, optimizer, wrapped_module, state: dict) -> None:
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(checkpoint.indexed_optimizer_state(state, self.parameter_names(optimizer,
+                                                                                                 wrapped_module)))
 
     def teardown(self) -> None:
         pass

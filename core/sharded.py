@@ -1,0 +1,172 @@
+"""Sharded checkpoints through `torch.distributed.checkpoint` (DCP), and reading them back safely.
+
+A sharded checkpoint is a directory: DCP's files for the tensors (every rank writes the shards it holds,
+in parallel; nothing is gathered on rank 0), and `state.pt`, a core checkpoint file with everything that
+is not a tensor (plain values, optimizer hyperparameters, loss scales). Tensors are keyed by parameter
+name, so DCP reshards them on load to any number of processes: `load_into` fills a state dict of
+DTensors in place (each rank reads only the parts it holds), `read_full` reads every tensor whole (for a
+strategy that does not shard).
+
+DCP writes its `.metadata` file with pickle and would read it back with `pickle.load`; `SafeReader`
+reads it with an unpickler that builds only DCP's own metadata classes and torch's dtypes and sizes, and
+refuses checkpoints with non-tensor (pickled) entries, so loading runs no code from the file.
+"""
+import dataclasses
+import enum
+import io
+import pickle
+import warnings
+from pathlib import Path
+
+import torch
+
+from core import checkpoint
+
+STATE = "state.pt"
+
+
+_NONE = object()  # "no part here", as distinct from a value None
+
+
+def _split(value):
+    """(tensors, rest): the tensor leaves of nested dicts, and the same dicts without them."""
+    if isinstance(value, torch.Tensor):
+        return value, _NONE
+    if not isinstance(value, dict):
+        return _NONE, value
+    tensors, rest = {}, {}
+    for key, item in value.items():
+        t, r = _split(item)
+        if t is not _NONE:
+            tensors[key] = t
+        if r is not _NONE:
+            rest[key] = r
+    return (tensors or _NONE), (rest if rest or not tensors else _NONE)
+
+
+def merge(tensors: dict, rest: dict) -> dict:
+    """The inverse of `_split`: `rest` with the tensors put back in their places."""
+    out = dict(rest)
+    for key, item in tensors.items():
+        out[key] = merge(item, out.get(key, {})) if isinstance(item, dict) else item
+    return out
+
+
+def split(state: dict) -> tuple[dict, dict]:
+    tensors, rest = _split(state)
+    return ({} if tensors is _NONE else tensors), ({} if rest is _NONE else rest)
+
+
+def is_sharded(path) -> bool:
+    return (Path(path) / ".metadata").is_file()
+
+
+def save(path, state: dict, rank: int, barrier) -> None:
+    """Write `state` (every rank passes its own view: DTensors for its shards, full tensors where replicated)
+    as a sharded checkpoint directory, atomically: a temporary directory renamed into place."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    checkpoint.clear_directory(tmp, rank, barrier)
+    tensors, rest = split(state)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    if rank == 0:
+        checkpoint.save_checkpoint(rest, tmp / STATE)
+    checkpoint.replace_directory(tmp, path, rank, barrier)
+
+
+def read_rest(path) -> dict:
+    return checkpoint.load_checkpoint(Path(path) / STATE)
+
+
+def load_into(path, held: dict) -> dict:
+    """The tensors of `held` (nested dicts as this process holds them: DTensors of its shards, full tensors
+    where replicated), filled in place from the checkpoint, for the entries it has; every rank calls it. DCP
+    reads each rank's part and reshards to this number of processes."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = SafeReader(str(path))
+    metadata = reader.read_metadata()
+    saved = {(metadata.planner_data or {}).get(key, (key,))[0] for key in metadata.state_dict_metadata}
+    targets = {key: value for key, value in split(held)[0].items() if key in saved}
+    try:
+        dcp.load(targets, storage_reader=reader)
+        return targets
+    except checkpoint.CheckpointError:
+        raise
+    except Exception as error:  # DCP raises a CheckpointException that carries each rank's failure
+        missing = [line.strip() for line in str(error).splitlines() if "Missing key" in line or "Size mismatch" in line]
+        detail = "; ".join(dict.fromkeys(missing))[:600] or str(error).splitlines()[0][:300]
+        raise checkpoint.CheckpointError(f"The sharded checkpoint {path} does not match the model or optimizer: "
+                                         f"{detail}. Was it saved from a model of another shape, or with another "
+                                         f"optimizer?") from None
+
+
+def read_full(path) -> dict:
+    """Every tensor of the checkpoint whole, on the CPU, merged with `state.pt`: the logical checkpoint
+    that a strategy without shards loads. Each process reads it by itself (no collectives)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = SafeReader(str(path))
+    metadata = reader.read_metadata()
+    flat = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
+            for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # one process reading on its own is the intent, not a fallback
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(flat, storage_reader=reader, no_dist=True)
+    tensors = {}
+    for key, value in flat.items():  # DCP flattened nested dicts to dotted keys; its planner data has each path
+        *parents, leaf = metadata.planner_data.get(key, (key,)) if metadata.planner_data else (key,)
+        node = tensors
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return merge(tensors, read_rest(path))
+
+
+try:
+    from torch.distributed.checkpoint import FileSystemReader as _Reader
+except ImportError:  # torch built without distributed: nothing sharded to read
+    _Reader = object
+
+
+class SafeReader(_Reader):
+    """DCP's file reader with a metadata unpickler that builds DCP's metadata types and nothing else."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+
+        file = Path(self.path) / ".metadata"
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
+        except (pickle.UnpicklingError, EOFError, OSError, AttributeError, ValueError, TypeError) as error:
+            raise checkpoint.CheckpointError(f"{file} is not a readable sharded checkpoint's metadata ({error}); it "
+                                             f"was refused without running any of it. Resume from an earlier "
+                                             f"checkpoint.") from None
+        pickled = [key for key, entry in metadata.state_dict_metadata.items()
+                   if isinstance(entry, BytesStorageMetadata)]
+        if pickled:
+            raise checkpoint.CheckpointError(f"The sharded checkpoint {self.path} holds pickled objects ({pickled[:3]}), "
+                                             f"which core never writes; it was refused without reading them.")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+_TORCH_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+_ALLOWED = {("torch", "Size"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+            ("torch.serialization", "_get_layout")}  # _get_layout: looks a torch.layout up by name
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in _ALLOWED:
+            found = super().find_class(module, name)
+            if dataclasses.is_dataclass(found) or isinstance(found, enum.EnumMeta) or (module, name) in _ALLOWED:
+                return found  # records and enums: building one runs nothing of the file's choosing
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_TYPES):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"it asks for {module}.{name}, which DCP metadata never holds")
