@@ -47,17 +47,11 @@ def _run(command, out: Path) -> dict:
 
 
 def run_weights(run_dir: Path) -> dict:
-    """Every floating-point tensor of the models in a run's last checkpoint, by "<key>.<name>", in float32: a
-    plain `torch.save` file, a core checkpoint file, or a DeepSpeed directory, whose ZeRO partitions (any stage)
-    DeepSpeed's zero_to_fp32 joins into full tensors (it unpickles: for this harness's own runs only)."""
-    path = Path(run_dir) / "checkpoints" / "last.ckpt"
-    if path.is_dir():
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        state = {tag.name: get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag.name)
-                 for tag in path.iterdir() if tag.is_dir()}
-    else:
-        from core.checkpoint import load_checkpoint
-        state = load_checkpoint(path, raw=True)
+    """Every floating-point tensor of the models in a run's last checkpoint, by "<key>.<name>", in float32:
+    any checkpoint the plain or the wrapped scripts write, read whole by core.checkpoint.read (a sharded
+    directory joined, a DeepSpeed one merged from its ZeRO partitions)."""
+    from core.checkpoint import read
+    state = read(Path(run_dir) / "checkpoints" / "last.ckpt")
     return {f"{key}.{name}": value.float() for key, sub in state.items() if isinstance(sub, dict)
             for name, value in sub.items() if isinstance(value, torch.Tensor) and value.is_floating_point()}
 
