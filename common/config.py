@@ -105,7 +105,7 @@ class RunConfig:
     max_steps: int = flag(1000, "optimizer steps to train for (meta-iterations for metalearn)")
     batch_size: int = flag(64, "examples per step on each process")
     out: str = flag("", "run directory (metrics, checkpoints, plots); default runs/<workload>-<time>")
-    resume: str = flag("", "continue a run exactly: a run directory, or a checkpoint (a file; DeepSpeed: a folder)")
+    resume: str = flag("", "continue a run exactly: a run directory, or a checkpoint (a file; fsdp, DeepSpeed: a folder)")
     checkpoint_every: int = flag(0, "save checkpoints/last.ckpt every N steps (0: only at the end)")
     dataset: str = flag("digits", "dataset name")
     data_root: str = flag("data", "folder that holds (or receives, with --download) the dataset files")

@@ -11,11 +11,15 @@ default is 1.0) is off unless the config sets it, and the offload modes step the
 on the CPU copy of the weights instead of insisting on DeepSpeed's CPUAdam. The strategy's name gives
 the ZeRO stage and offload; a user config may add to them but not contradict them.
 
-A checkpoint is a directory: one DeepSpeed checkpoint per engine (tag = the key in `state`), plus
-`state.pt` for the plain values. It is written to a temporary directory and renamed into place.
-DeepSpeed's own files are pickles of more than tensors: each file DeepSpeed reads on this rank is read
-with `weights_only=True` and a short list of allowed DeepSpeed and Python types, so a file carrying
-anything else is refused unread. A ZeRO checkpoint resumes on the same number of processes only.
+A checkpoint is a directory: one DeepSpeed checkpoint per engine (tag = the key in `state`; every rank
+writes its own partitions), plus `state.pt` for the plain values and each engine's stage and number of
+processes. It is written to a temporary directory and renamed into place. Loaded under the same stage and
+number of processes, the engines read it themselves, each rank its own files. Anywhere else (another
+number of processes or stage, another strategy) `read_deepspeed` merges the partitions into the logical
+checkpoint (DeepSpeed's zero_to_fp32 layout, for the optimizer state too), and a DeepSpeed engine takes a
+logical checkpoint of any origin by setting each parameter's slice of its partitions. DeepSpeed's own
+files are pickles of more than tensors: every one is read with `weights_only=True` and a short list of
+allowed DeepSpeed and Python types, so a file carrying anything else is refused unread.
 """
 import contextlib
 import copy

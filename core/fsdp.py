@@ -4,9 +4,10 @@ Each set-up module is sharded in place: submodules of the types named in `wrap_m
 their own shard groups (all-gathered one at a time), then the module itself. Several sharded
 modules in one process are independent (a GAN's generator and discriminator).
 
-Checkpoints hold full (unsharded) state dicts keyed by parameter name, gathered on rank 0, so a run
-saved on N processes resumes on any number of processes. The cost is rank 0 holding the full model
-and optimizer state in CPU memory while saving.
+Checkpoints are sharded (`core/sharded.py`): every rank writes its own shards of the model and optimizer
+state, keyed by parameter name, and reads back only what it holds, resharded by DCP to any number of
+processes; nothing is gathered on rank 0. A one-file or DeepSpeed checkpoint loads whole on each rank and
+is sharded here.
 """
 import warnings
 from contextlib import contextmanager

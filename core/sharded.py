@@ -11,6 +11,7 @@ DCP writes its `.metadata` file with pickle and would read it back with `pickle.
 reads it with an unpickler that builds only DCP's own metadata classes and torch's dtypes and sizes, and
 refuses checkpoints with non-tensor (pickled) entries, so loading runs no code from the file.
 """
+import contextlib
 import dataclasses
 import enum
 import io
@@ -57,6 +58,14 @@ def split(state: dict) -> tuple[dict, dict]:
     return ({} if tensors is _NONE else tensors), ({} if rest is _NONE else rest)
 
 
+@contextlib.contextmanager
+def _alone_is_intended():
+    """DCP warns when it runs without a process group; here that is the intent, not a fallback."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def is_sharded(path) -> bool:
     return (Path(path) / ".metadata").is_file()
 
@@ -70,7 +79,9 @@ def save(path, state: dict, rank: int, barrier) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     checkpoint.clear_directory(tmp, rank, barrier)
     tensors, rest = split(state)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    alone = not torch.distributed.is_initialized()  # one process: no group to coordinate
+    with _alone_is_intended():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=alone)
     if rank == 0:
         checkpoint.save_checkpoint(rest, tmp / STATE)
     checkpoint.replace_directory(tmp, path, rank, barrier)
@@ -113,8 +124,7 @@ def read_full(path) -> dict:
     metadata = reader.read_metadata()
     flat = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
             for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # one process reading on its own is the intent, not a fallback
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with _alone_is_intended():
         dcp.load(flat, storage_reader=reader, no_dist=True)
     tensors = {}
     for key, value in flat.items():  # DCP flattened nested dicts to dotted keys; its planner data has each path

@@ -1,15 +1,17 @@
 """Started by tests/test_checkpoints.py: save a checkpoint under one strategy and number of processes, or
 load checkpoints saved under others, and compare.
 
-    python tests/checkpoint_matrix.py --strategy fsdp --devices 2 --save DIR/fsdp2
-    python tests/checkpoint_matrix.py --strategy ddp --devices 2 --load DIR/fsdp2,DIR/single --out result.json
+    python tests/checkpoint_matrix.py --strategy single --plain --save DIR      # DIR/singlex1, DIR/plain
+    python tests/checkpoint_matrix.py --strategy ddp,fsdp --devices 2 --save DIR  # DIR/ddpx2, DIR/fsdpx2
+    python tests/checkpoint_matrix.py --strategy ddp,fsdp --devices 2 --load DIR/fsdpx2,DIR/plain --out result.json
 
 Two models with an optimizer each (Adam, and SGD with momentum, which shows a scaled gradient), trained on
 the full batch split across the processes, so every shape computes the same steps up to rounding.
---save: STEPS steps, then `fabric.save(DIR/NAME/ckpt)`, and the full weights to DIR/NAME/weights.pt.
+--save: STEPS steps, then `fabric.save(DIR/NAME/ckpt)` (--plain: also `torch.save` of the state dicts, as the
+plain scripts write, to DIR/plain), and the full weights to DIR/NAME/weights.pt.
 --load: for each DIR/NAME, fresh models load its checkpoint (weights compared bitwise with its
 weights.pt), train MORE steps, and are compared with models trained STEPS + MORE steps uninterrupted on
-this shape. Rank 0 writes {NAME: {"loaded_max_diff", "continued_max_diff", "step"}}.
+this shape. Rank 0 writes {TARGET: {NAME: {"loaded_max_diff", "continued_max_diff", "step"}}}.
 """
 import argparse
 import json
@@ -84,38 +86,55 @@ def max_diff(a: dict, b: dict) -> float:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--strategy", required=True, help="a strategy, or several separated by commas: all run in "
+                                                          "the same processes, one after the other")
     parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--save", help="DIR/NAME to save into")
+    parser.add_argument("--save", help="DIR to save into: one DIR/STRATEGYxDEVICES per strategy")
+    parser.add_argument("--plain", action="store_true", help="also save DIR/plain as the plain scripts do: "
+                                                             "torch.save of state dicts (first strategy)")
     parser.add_argument("--load", help="DIR/NAME,... to load from")
     parser.add_argument("--out")
     args = parser.parse_args()
-    fabric = Fabric(accelerator="cpu", strategy=args.strategy, devices=args.devices)
-    fabric.launch()
-
-    if args.save:
-        state = build(fabric)
-        train(fabric, state, STEPS)
-        fabric.save(Path(args.save) / "ckpt", state)
-        weights = full_weights(fabric, state)
-        if fabric.is_global_zero:
-            torch.save(weights, Path(args.save) / "weights.pt")
-        return
-
-    uninterrupted = build(fabric)
-    train(fabric, uninterrupted, STEPS + MORE)
-    reference = full_weights(fabric, uninterrupted)
     results = {}
-    for source in args.load.split(","):
-        state = build(fabric)
-        fabric.load(Path(source) / "ckpt", state)
-        loaded = full_weights(fabric, state)
-        saved = torch.load(Path(source) / "weights.pt", weights_only=True)
-        step = state["step"]
-        train(fabric, state, MORE)
-        results[Path(source).name] = {"loaded_max_diff": max_diff(loaded, saved), "step": step,
-                                      "continued_max_diff": max_diff(full_weights(fabric, state), reference)}
-    if fabric.is_global_zero:
+    for strategy in args.strategy.split(","):
+        fabric = Fabric(accelerator="cpu", strategy=strategy, devices=args.devices)
+        fabric.launch()  # the first strategy starts the processes; later ones find them started
+        name = f"{strategy}x{args.devices}"
+        if args.save:
+            state = build(fabric)
+            train(fabric, state, STEPS)
+            weights = full_weights(fabric, state)
+            targets = [(Path(args.save) / name, False)] + ([(Path(args.save) / "plain", True)] if args.plain else [])
+            args.plain = False
+            for folder, plain in targets:
+                if plain:  # optimizer state keyed by position, as torch.optim numbers it
+                    folder.mkdir(parents=True, exist_ok=True)
+                    torch.save({key: value.module.state_dict() if isinstance(value, nn.Module) else
+                                value.state_dict() if hasattr(value, "state_dict") else value
+                                for key, value in state.items()}, folder / "ckpt")
+                else:
+                    fabric.save(folder / "ckpt", state)
+                if fabric.is_global_zero:
+                    torch.save(weights, folder / "weights.pt")
+            fabric.barrier()
+            continue
+
+        uninterrupted = build(fabric)
+        train(fabric, uninterrupted, STEPS + MORE)
+        reference = full_weights(fabric, uninterrupted)
+        results[name] = {}
+        for source in args.load.split(","):
+            state = build(fabric)
+            fabric.load(Path(source) / "ckpt", state)
+            loaded = full_weights(fabric, state)
+            saved = torch.load(Path(source) / "weights.pt", weights_only=True)
+            step = state["step"]
+            train(fabric, state, MORE)
+            results[name][Path(source).name] = {"loaded_max_diff": max_diff(loaded, saved), "step": step,
+                                                "continued_max_diff": max_diff(full_weights(fabric, state),
+                                                                               reference)}
+        fabric.barrier()
+    if args.load and fabric.is_global_zero:
         Path(args.out).write_text(json.dumps(results))
 
 

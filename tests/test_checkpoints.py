@@ -1,0 +1,198 @@
+"""Checkpoints across strategies and numbers of processes: one logical checkpoint (names, not positions),
+fsdp saved sharded through torch.distributed.checkpoint, DeepSpeed converted from its partitions, the
+plain file `python -m core.convert` writes, and the safety of every format."""
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from core import CheckpointError, Fabric, checkpoint, sharded
+from tests.conftest import run
+
+ONE, TWO = ["single", "fsdp", "deepspeed_stage_2"], ["ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3"]
+
+
+def _has_deepspeed() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def _strategies(names):
+    return ",".join(name for name in names if _has_deepspeed() or not name.startswith("deepspeed"))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint of each source: 3 steps of two models (Adam, SGD with momentum) under single (and as the
+    plain scripts save), ddp, fsdp and DeepSpeed ZeRO-2 and -3 on 2 processes."""
+    root = tmp_path_factory.mktemp("matrix")
+    run(["tests/checkpoint_matrix.py", "--strategy", "single", "--plain", "--save", str(root)], timeout=300)
+    run(["tests/checkpoint_matrix.py", "--strategy", _strategies(TWO), "--devices", "2", "--save", str(root)],
+        timeout=400)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("devices", [1, 2])
+def test_every_checkpoint_resumes_under_every_strategy_and_process_count(saved, tmp_path, devices):
+    """Under each strategy on 1 and on 2 processes, every source's checkpoint loads with weights equal to the
+    saved ones bit for bit, and 3 more steps match 6 uninterrupted steps on the new shape (a lost or misplaced
+    optimizer state, or a wrong step count, moves them by 1e-3 and more)."""
+    sources = sorted(p.name for p in saved.iterdir())
+    out = tmp_path / "result.json"
+    targets = _strategies(ONE if devices == 1 else TWO)
+    run(["tests/checkpoint_matrix.py", "--strategy", targets, "--devices", str(devices),
+         "--load", ",".join(str(saved / name) for name in sources), "--out", str(out)], timeout=600)
+    results = json.loads(out.read_text())
+    assert sorted(results) == sorted(f"{target}x{devices}" for target in targets.split(","))
+    assert len(sources) == 2 + len(_strategies(TWO).split(","))
+    for target, loaded in results.items():
+        assert sorted(loaded) == sources, target
+        for source, result in loaded.items():
+            assert result["step"] == 3, (target, source)
+            assert result["loaded_max_diff"] == 0.0, (target, source, result)
+            assert result["continued_max_diff"] < 1e-5, (target, source, result)
+
+
+def test_optimizer_state_follows_parameter_names_not_positions(tmp_path):
+    """A checkpoint loads into an optimizer that lists the same parameters in another order."""
+    fabric = Fabric(accelerator="cpu")
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=0.1))
+    fabric.backward(model(torch.randn(5, 3)).square().sum())
+    optimizer.step()
+    fabric.save(tmp_path / "a.ckpt", {"model": model, "optimizer": optimizer})
+    saved = checkpoint.load_checkpoint(tmp_path / "a.ckpt")["optimizer"]["optimizer"]
+    assert saved["param_groups"][0]["params"] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+    other = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    reversed_order = list(other.parameters())[::-1]
+    other, other_optimizer = fabric.setup(other, torch.optim.Adam(reversed_order, lr=0.1))
+    fabric.load(tmp_path / "a.ckpt", {"model": other, "optimizer": other_optimizer})
+    for name, p in other.named_parameters():
+        expected = optimizer.state[dict(model.named_parameters())[name]]["exp_avg"]
+        assert torch.equal(other_optimizer.state[p]["exp_avg"], expected), name
+
+
+def test_an_optimizer_of_other_groups_is_refused_by_name(tmp_path):
+    fabric = Fabric(accelerator="cpu")
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fabric.save(tmp_path / "a.ckpt", {"optimizer": optimizer, "model": model})
+    other = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    groups = [{"params": other[0].parameters()}, {"params": other[1].parameters()}]
+    other, other_optimizer = fabric.setup(other, torch.optim.SGD(groups, lr=0.1))
+    with pytest.raises(CheckpointError, match="has 1 parameter groups, this one 2"):
+        fabric.load(tmp_path / "a.ckpt", {"model": other, "optimizer": other_optimizer})
+
+
+def test_a_sharded_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "last.ckpt"
+    sharded.save(path, {"model": {"w": torch.ones(3)}, "step": 1}, 0, lambda: None)
+    real_save = dcp.save
+
+    def killed(state, **kwargs):
+        real_save(state, **kwargs)  # the shards are written, state.pt and the rename are not
+        raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(dcp, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        sharded.save(path, {"model": {"w": torch.zeros(3)}, "step": 2}, 0, lambda: None)
+    state = checkpoint.read(path)
+    assert state["step"] == 1 and torch.equal(state["model"]["w"], torch.ones(3))
+    monkeypatch.setattr(dcp, "save", real_save)
+    sharded.save(path, {"model": {"w": torch.zeros(3)}, "step": 2}, 0, lambda: None)  # the next save cleans up
+    assert checkpoint.read(path)["step"] == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_sharded_metadata_that_would_run_code_is_refused_unrun(tmp_path):
+    path, marker = tmp_path / "last.ckpt", tmp_path / "pwned"
+    sharded.save(path, {"model": {"w": torch.ones(3)}, "step": 1}, 0, lambda: None)
+    (path / ".metadata").write_bytes(pickle.dumps(_Exploit(marker)))
+    for reader in (checkpoint.read, sharded.SafeReader(str(path)).read_metadata):
+        with pytest.raises(CheckpointError, match=r"asks for (posix|os)\.system.*refused without running any of it"):
+            reader(path) if reader is checkpoint.read else reader()
+    assert not marker.exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_sharded_checkpoint_with_pickled_entries_is_refused(tmp_path):
+    """DCP writes non-tensor values as pickles and would load them with weights_only=False; core never
+    writes them, and refuses a checkpoint that has them before reading any."""
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "foreign"
+    dcp.save({"w": torch.ones(2), "extra": {"lr": 0.1}}, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    checkpoint.save_checkpoint({}, path / "state.pt")
+    with pytest.raises(CheckpointError, match=r"holds pickled objects \(\['extra.lr'\]\)"):
+        checkpoint.read(path)
+
+
+def test_a_deepspeed_file_that_would_run_code_is_refused_unrun(tmp_path):
+    pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+    path, marker = tmp_path / "last.ckpt", tmp_path / "pwned"
+    checkpoint.save_checkpoint({"model": {"deepspeed_tag": "model", "world_size": 2, "stage": 2}}, path / "state.pt")
+    (path / "model").mkdir()
+    torch.save({"module": _Exploit(marker)}, path / "model" / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": {}}, path / "model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match="refused unread"):
+        checkpoint.read(path)
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_convert_makes_one_plain_file_that_the_plain_script_resumes(tmp_path):
+    """gan under fsdp x2 (a sharded directory) -> python -m core.convert -> torch.load(weights_only) and the
+    plain script's --resume, on the default data; the plain script's own --resume of the directory says how."""
+    run(["-m", "gan.train", "--strategy", "fsdp", "--devices", "2", "--max-steps", "3", "--out", str(tmp_path / "fsdp")])
+    refused = run(["-m", "gan.train_torch", "--resume", str(tmp_path / "fsdp"), "--max-steps", "5"], check=False)
+    assert refused.returncode == 2 and "python -m core.convert" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    run(["-m", "core.convert", str(tmp_path / "fsdp"), str(tmp_path / "plain.ckpt")])
+    plain = torch.load(tmp_path / "plain.ckpt", weights_only=True)
+    sharded_state = checkpoint.read(tmp_path / "fsdp" / "checkpoints" / "last.ckpt")
+    assert plain["step"] == 3
+    for key in ("generator", "discriminator"):
+        assert all(torch.equal(plain[key][name], value) for name, value in sharded_state[key].items())
+    assert sorted(plain["optimizer_g"]["state"]) == list(range(len(plain["optimizer_g"]["state"])))  # by position
+    result = run(["-m", "gan.train_torch", "--resume", str(tmp_path / "plain.ckpt"), "--max-steps", "5",
+                  "--out", str(tmp_path / "plain")])
+    assert "Resumed" in result.stdout and "from step 3" in result.stdout
+    assert torch.load(tmp_path / "plain" / "checkpoints" / "last.ckpt", weights_only=True)["step"] == 5
+
+
+def test_convert_misuse_exits_2_with_one_line(tmp_path):
+    result = run(["-m", "core.convert", str(tmp_path / "missing"), str(tmp_path / "out.ckpt")], check=False)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"python -m core.convert: error: no checkpoint at {tmp_path / 'missing'}"]
+
+
+@pytest.mark.slow
+def test_the_plain_script_resumes_a_wrapped_run_exactly(tmp_path):
+    """autoencoder through core, 4 steps -> plain script --resume to 8 == 8 plain steps, bit for bit."""
+    common = ["-m", "autoencoder.train_torch", "--max-steps", "8"]
+    run(["-m", "autoencoder.train", "--max-steps", "4", "--out", str(tmp_path / "wrapped")])
+    run([*common, "--resume", str(tmp_path / "wrapped"), "--out", str(tmp_path / "resumed")])
+    run([*common, "--out", str(tmp_path / "plain")])
+    resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)
+    plain = torch.load(tmp_path / "plain" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["step"] == plain["step"] == 8
+    assert all(torch.equal(resumed["model"][k], plain["model"][k]) for k in plain["model"])
