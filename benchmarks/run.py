@@ -20,7 +20,7 @@ from benchmarks import maml_speed, overhead, parity
 from benchmarks.record import RESULTS, ROOT, bar_chart, results_dir, table, write
 from benchmarks.workloads import WORKLOADS
 
-PARTS = ("overhead", "maml", "parity", "quality")
+PARTS = ("overhead", "maml", "parity", "checkpoint", "quality")
 TARGETS = {"single": 1.03, "ddp": 1.05}
 NOT_INSTALLED = "not installed: pip install -e '.[bench]'"
 MAML_TARGETS = {"per-task autograd loop": 5, "per-task higher loop": 10}  # vmap speed-up over each
@@ -123,6 +123,32 @@ def _scaling(rows) -> str:
     return "; ".join(parts)
 
 
+def run_checkpoint(quick: bool) -> str:
+    """benchmarks/checkpoint.py in its own 2 processes; it prints one RESULT line."""
+    params, repeats = (20e6, 1) if quick else (100e6, 3)
+    output = subprocess.run([sys.executable, "-m", "benchmarks.checkpoint", "--params", str(params), "--repeats",
+                             str(repeats)], cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in output.stdout.splitlines() if line.startswith("RESULT ")]
+    if output.returncode != 0 or not lines:
+        raise RuntimeError(f"benchmarks.checkpoint failed:\n{output.stderr[-3000:]}")
+    r = json.loads(lines[-1][len("RESULT "):])
+    bound = 64  # MB: what "a bounded buffer" may add to rank 0 while it saves its shard
+    rows = [[kind, r[f"{kind}_save_s"], r[f"{kind}_save_rank0_extra_mb"], r[f"{kind}_load_s"],
+             r[f"{kind}_load_rank0_extra_mb"]] for kind in ("sharded", "gathered")]
+    markdown = (f"An FSDP model of {r['parameters'] / 1e6:.1f}M parameters with Adam's state on 2 processes (rank 0's "
+                f"shard of weights and optimizer state: {r['rank0_shard_mb']:.0f} MB). Sharded: what core writes "
+                f"(every rank its own shards, torch.distributed.checkpoint); gathered: the full state dicts on rank "
+                f"0's CPU, written by it (a one-file checkpoint, core's fsdp format before). Extra MB: rank 0's peak "
+                f"resident memory during the call above what it held before; seconds: the whole call, median of "
+                f"{repeats}.\n\n" +
+                table(["format", "save s", "save: rank 0 extra MB", "load s", "load: rank 0 extra MB"], rows) +
+                f"\nGoal: saving sharded adds at most a bounded buffer ({bound} MB) to rank 0: "
+                f"{_mark(r['sharded_save_rank0_extra_mb'] <= bound)}.\n")
+    write("checkpoint", {"params": params, "repeats": repeats}, [r], markdown, quick=quick)
+    return markdown
+
+
 def run_quality() -> str:
     rows, summaries, commands = [], {}, []
     for workload in (w for w in WORKLOADS.values() if w.quality):
@@ -159,7 +185,7 @@ def update_readme(sections: dict) -> None:
         saved = RESULTS / f"{name}.md"
         header = saved.read_text().split("\n\n", 1)[0] if saved.exists() else ""
         blocks[name] = f"### {name}\n\n{header}\n\n{markdown}\n"
-    order = ["overhead", "maml_speed", "parity", "quality"]
+    order = ["overhead", "maml_speed", "parity", "checkpoint", "quality"]
     body = "".join(f"<!-- {name} -->\n{blocks[name]}<!-- /{name} -->\n" for name in sorted(blocks, key=order.index))
     readme.write_text(text[:i] + "\n" + body + text[j:])
 
@@ -183,6 +209,8 @@ def main(argv=None):
         sections["maml_speed"] = run_maml(args.quick)
     if "parity" in parts:
         sections["parity"] = run_parity(args.quick)
+    if "checkpoint" in parts:
+        sections["checkpoint"] = run_checkpoint(args.quick)
     if "quality" in parts and not args.quick:
         sections["quality"] = run_quality()
     for markdown in sections.values():

@@ -96,6 +96,7 @@ def load_into(path, held: dict) -> dict:
     where replicated), filled in place from the checkpoint, for the entries it has; every rank calls it. DCP
     reads each rank's part and reshards to this number of processes."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     reader = SafeReader(str(path))
     metadata = reader.read_metadata()
@@ -106,7 +107,7 @@ def load_into(path, held: dict) -> dict:
         return targets
     except checkpoint.CheckpointError:
         raise
-    except Exception as error:  # DCP raises a CheckpointException that carries each rank's failure
+    except (Exception, CheckpointException) as error:  # the latter, a BaseException, carries each rank's failure
         missing = [line.strip() for line in str(error).splitlines() if "Missing key" in line or "Size mismatch" in line]
         detail = "; ".join(dict.fromkeys(missing))[:600] or str(error).splitlines()[0][:300]
         raise checkpoint.CheckpointError(f"The sharded checkpoint {path} does not match the model or optimizer: "

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core import Fabric
+from core import CheckpointError, Fabric
 
 STEPS, MORE = 3, 3
 
@@ -79,6 +79,18 @@ def full_weights(fabric, state) -> dict:
     return out
 
 
+def other_shape_error(fabric, path) -> str:
+    """What loading `path` into a model of another width says (every rank must fail alike)."""
+    torch.manual_seed(0)
+    other = Net(5)
+    other, optimizer = fabric.setup(other, torch.optim.Adam(other.parameters(), lr=1e-2))
+    try:
+        fabric.load(path, {"first": other, "optimizer_1": optimizer}, strict=False)
+    except CheckpointError as error:
+        return str(error)
+    return "loaded"
+
+
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max((a[k] - b[k]).abs().max().item() for k in a)
@@ -132,7 +144,8 @@ def main():
             train(fabric, state, MORE)
             results[name][Path(source).name] = {"loaded_max_diff": max_diff(loaded, saved), "step": step,
                                                 "continued_max_diff": max_diff(full_weights(fabric, state),
-                                                                               reference)}
+                                                                               reference),
+                                                "other_shape": other_shape_error(fabric, Path(source) / "ckpt")}
         fabric.barrier()
     if args.load and fabric.is_global_zero:
         Path(args.out).write_text(json.dumps(results))

@@ -59,6 +59,7 @@ def test_every_checkpoint_resumes_under_every_strategy_and_process_count(saved, 
             assert result["step"] == 3, (target, source)
             assert result["loaded_max_diff"] == 0.0, (target, source, result)
             assert result["continued_max_diff"] < 1e-5, (target, source, result)
+            assert "hidden.weight" in result["other_shape"] and "16" in result["other_shape"], (target, source, result)
 
 
 def test_optimizer_state_follows_parameter_names_not_positions(tmp_path):
