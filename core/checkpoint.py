@@ -37,7 +37,10 @@ def atomic_save(obj, path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if path.is_dir():  # a sharded or DeepSpeed checkpoint of this run's earlier strategy: moved aside first
+            replace_directory(tmp, path, 0, lambda: None)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -201,7 +204,7 @@ def read(path) -> dict:
         if sharded.is_sharded(path):
             return sharded.read_full(path)
         if (path / "state.pt").is_file():
-            from core.deepspeed import read_deepspeed
+            from core.deepspeed_checkpoint import read_deepspeed
 
             return read_deepspeed(path)
     return load_checkpoint(path, raw=True)
@@ -243,7 +246,7 @@ def restore(saved: dict, state: dict, strategy, precision, module_of: dict, path
             entry = {"optimizer": saved[key], "scaler": None} if raw or "optimizer" not in saved[key] else saved[key]
             module = module_of[id(value)]
             optimizer_state = entry["optimizer"]
-            if "param_groups" in optimizer_state:  # else a marker: restored with its DeepSpeed engine
+            if isinstance(optimizer_state, dict) and "param_groups" in optimizer_state:  # else: with its engine
                 optimizer_state = named_optimizer_state(optimizer_state, strategy.parameter_names(value.optimizer,
                                                                                                   module))
             strategy.load_optimizer_state(value.optimizer, module, optimizer_state)
