@@ -73,8 +73,13 @@ def main(config: Config) -> dict:
         loss_d.backward()
         optimizer_d.step()
 
-        # (2) Update G: maximize log D(G(z))
-        logits = discriminator(fake)
+        # (2) Update G: maximize log D(G(z)); D is a fixed function here: no D gradients, no D all-reduce.
+        # D's parameters are frozen, and under DDP D is called through .module, as fabric.frozen does: DDP's
+        # forward would only prepare its reducer for a backward that gives D no gradients to reduce.
+        frozen_discriminator = discriminator.module if world_size > 1 else discriminator
+        frozen_discriminator.requires_grad_(False)
+        logits = frozen_discriminator(fake)
+        frozen_discriminator.requires_grad_(True)
         loss_g = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
         optimizer_g.zero_grad(set_to_none=True)
         loss_g.backward()

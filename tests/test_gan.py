@@ -39,6 +39,28 @@ def test_plain_and_wrapped_train_bitwise_equal(tmp_path):
     assert_equal(weights(tmp_path / "plain", plain=True), weights(tmp_path / "wrapped"))
 
 
+def test_both_variants_compute_d_gradients_in_the_d_step_only(tmp_path, monkeypatch):
+    """Equal work: in the G step both variants treat D as a fixed function, so each D parameter gets one
+    gradient per step (the D step's), in the plain script as under fabric.frozen."""
+    from gan.model import Discriminator
+    calls = {"plain": 0, "wrapped": 0}
+
+    def counting(variant):
+        class CountingDiscriminator(Discriminator):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                for p in self.parameters():
+                    p.register_hook(lambda grad: calls.__setitem__(variant, calls[variant] + 1))
+        return CountingDiscriminator
+
+    monkeypatch.setattr(train_torch, "Discriminator", counting("plain"))
+    monkeypatch.setattr(train, "Discriminator", counting("wrapped"))
+    train_torch.main(Config(**TINY, max_steps=3, out=str(tmp_path / "plain")))
+    train.main(merge(Config, FabricFlags)(**TINY, max_steps=3, out=str(tmp_path / "wrapped"), accelerator="cpu"))
+    parameters = len(list(Discriminator(TINY["ndf"], 1, 32).parameters()))
+    assert calls == {"plain": 3 * parameters, "wrapped": 3 * parameters}
+
+
 def test_resume_continues_exactly(tmp_path):
     config = merge(Config, FabricFlags)
     train.main(config(**TINY, max_steps=8, out=str(tmp_path / "full"), accelerator="cpu"))
@@ -78,11 +100,15 @@ def test_gan_trains_under_every_strategy_on_two_processes(tmp_path, strategy, pr
 
 
 @pytest.mark.multiprocess
-def test_plain_variant_runs_under_torchrun(tmp_path):
-    run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "gan.train_torch", "--dataset", "fake",
-         "--max-steps", "4", "--batch-size", "8", "--ngf", "8", "--ndf", "8", "--nz", "16", "--eval-samples", "8",
-         "--out", str(tmp_path)], timeout=300)
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+def test_plain_variant_under_torchrun_equals_the_wrapped_one_under_ddp(tmp_path):
+    """Several steps, so a G step that left DDP's reducer waiting for D gradients would fail the next one."""
+    args = ["--dataset", "fake", "--max-steps", "4", "--batch-size", "8", "--ngf", "8", "--ndf", "8", "--nz", "16",
+            "--eval-samples", "8"]
+    run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "gan.train_torch", *args,
+         "--out", str(tmp_path / "plain")], timeout=300)
+    run(["-m", "gan.train", *args, "--accelerator", "cpu", "--strategy", "ddp", "--devices", "2",
+         "--out", str(tmp_path / "wrapped")], timeout=300)
+    assert_equal(weights(tmp_path / "plain", plain=True), weights(tmp_path / "wrapped"))
 
 
 # --- datasets, read by torchvision from files in their real formats --------------------------------
