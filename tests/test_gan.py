@@ -1,6 +1,7 @@
 """The DCGAN workload: plain vs wrapped, resume, every dataset loader on generated files, the CLI."""
 import gzip
 import json
+import math
 import pickle
 import struct
 
@@ -77,12 +78,34 @@ def test_default_run_writes_the_run_directory_and_a_score(tmp_path):
                   "--ngf", "8", "--ndf", "8", "--out", str(tmp_path)])
     assert "classifier FID" in result.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
-    for key in ("fid_classifier", "fid_real_floor", "fid_noise", "class_entropy"):
-        assert summary[key] >= 0
-    assert summary["fid_real_floor"] < summary["fid_noise"]
+    # classifier features are in units of the real features' scale: held-out digits sit near 0 (0.44 here),
+    # uniform noise far away (42), and 30 steps of a tiny GAN are nowhere near real digits (87, one class)
+    assert summary["fid_real_floor"] < 2 and summary["fid_noise"] > max(10, 20 * summary["fid_real_floor"])
+    assert summary["fid_classifier"] > 5 * summary["fid_real_floor"]
+    assert 0 <= summary["class_entropy"] <= summary["class_entropy_max"] == pytest.approx(math.log(10))
     for name in ("metrics.jsonl", "config.json", "losses.png", "checkpoints/last.ckpt", "samples/step_000015.png",
                  "samples/step_000030.png"):
         assert (tmp_path / name).is_file(), name
+
+
+def test_the_score_puts_real_digits_at_the_floor_and_noise_and_one_class_far_from_it():
+    """The scorer itself, on images whose score is known: real digits score near the real floor with all ten
+    classes (entropy near ln 10), uniform noise far above it, 360 copies of one digit far above it with
+    entropy 0."""
+    from gan.score import score
+    train_set, test_set = load_images("digits"), load_images("digits", train=False)
+    train_images = torch.stack([image for image, _ in train_set])
+    held_out = torch.stack([image for image, _ in test_set])
+    picks = torch.randperm(len(train_images), generator=torch.Generator().manual_seed(0))[:len(held_out)]
+    real = score(train_images[picks], train_set, test_set, "digits", 32)
+    noise = score(torch.rand(held_out.shape, generator=torch.Generator().manual_seed(1)) * 2 - 1, train_set,
+                  test_set, "digits", 32)
+    one_digit = score(held_out[:1].expand_as(held_out), train_set, test_set, "digits", 32)
+    floor = real["fid_real_floor"]
+    assert 0 < floor < 2 and real["fid_classifier"] < 1.5 * floor  # training digits: at or below the floor
+    assert real["class_entropy"] > 2.2  # the ten digits are about equally common in the data
+    assert noise["fid_classifier"] > max(10, 20 * floor)
+    assert one_digit["fid_classifier"] > max(10, 20 * floor) and one_digit["class_entropy"] == 0.0
 
 
 @pytest.mark.multiprocess
