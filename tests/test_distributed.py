@@ -239,7 +239,8 @@ def test_fsdp_refuses_an_optimizer_of_unsharded_parameters_and_clips(tmp_path):
 def test_fsdp_checkpoint_resumes_on_one_process(tmp_path):
     """FSDP checkpoints hold full state dicts: a 2-process run resumes on 1 process, another strategy."""
     common = ["-m", "autoencoder.train", "--dataset", "fake", "--width", "4", "--batch-size", "8"]
-    run([*common, "--strategy", "fsdp", "--devices", "2", "--max-steps", "3", "--out", str(tmp_path)])
+    run([*common, "--strategy", "fsdp", "--accelerator", "cpu", "--devices", "2", "--max-steps", "3",
+         "--out", str(tmp_path)])
     run([*common, "--max-steps", "5", "--resume", str(tmp_path)])
     from core.checkpoint import load_checkpoint
     assert load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["step"] == 5

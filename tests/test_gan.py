@@ -114,7 +114,7 @@ def test_the_score_puts_real_digits_at_the_floor_and_noise_and_one_class_far_fro
 def test_gan_trains_under_every_strategy_on_two_processes(tmp_path, strategy, precision):
     if strategy.startswith("deepspeed"):
         pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
-    run(["-m", "gan.train", "--strategy", strategy, "--devices", "2", "--precision", precision,
+    run(["-m", "gan.train", "--strategy", strategy, "--accelerator", "cpu", "--devices", "2", "--precision", precision,
          "--dataset", "fake", "--max-steps", "4",
          "--batch-size", "8", "--ngf", "8", "--ndf", "8", "--nz", "16", "--log-every", "2", "--eval-samples", "8",
          "--out", str(tmp_path)], timeout=300)
@@ -127,8 +127,9 @@ def test_plain_variant_under_torchrun_equals_the_wrapped_one_under_ddp(tmp_path)
     """Several steps, so a G step that left DDP's reducer waiting for D gradients would fail the next one."""
     args = ["--dataset", "fake", "--max-steps", "4", "--batch-size", "8", "--ngf", "8", "--ndf", "8", "--nz", "16",
             "--eval-samples", "8"]
+    # the plain script takes the GPU when torch sees one, like any plain script: hide it, this is the CPU test
     run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "gan.train_torch", *args,
-         "--out", str(tmp_path / "plain")], timeout=300)
+         "--out", str(tmp_path / "plain")], timeout=300, env={"CUDA_VISIBLE_DEVICES": ""})
     run(["-m", "gan.train", *args, "--accelerator", "cpu", "--strategy", "ddp", "--devices", "2",
          "--out", str(tmp_path / "wrapped")], timeout=300)
     assert_equal(weights(tmp_path / "plain", plain=True), weights(tmp_path / "wrapped"))
