@@ -29,7 +29,8 @@ def main(config: Config) -> dict:
     run = RunDir(config.out or config.resume, "autoencoder", write=rank == 0, broadcast=fabric.broadcast)
 
     train_set, test_set = load_splits(config.dataset, config.data_root, config.image_size, config.download)
-    loader = make_loader(train_set, config.batch_size, config.seed, config.num_workers, rank, world_size)
+    loader = make_loader(train_set, config.batch_size, config.seed, config.num_workers, rank, world_size,
+                         pin_memory=device.type == "cuda")  # page-locked batches copy to the GPU asynchronously
     loader = fabric.setup_dataloaders(loader)
 
     model = AutoEncoder(CHANNELS[config.dataset], config.latent, config.image_size, config.width)

@@ -25,14 +25,19 @@ from common.run import load_plain
 
 def main(config: Config) -> dict:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    # cuda:LOCAL_RANK, or cuda:0 where each rank sees only its own GPU (CUDA_VISIBLE_DEVICES set per rank)
+    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL and any bare .cuda() then use this rank's GPU, not cuda:0
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     run = RunDir(config.out or config.resume, "autoencoder", write=rank == 0)
 
     train_set, test_set = load_splits(config.dataset, config.data_root, config.image_size, config.download)
-    loader = make_loader(train_set, config.batch_size, config.seed, config.num_workers, rank, world_size)
+    loader = make_loader(train_set, config.batch_size, config.seed, config.num_workers, rank, world_size,
+                         pin_memory=device.type == "cuda")  # page-locked batches copy to the GPU asynchronously
 
     model = AutoEncoder(CHANNELS[config.dataset], config.latent, config.image_size, config.width).to(device)
     optimizer = torch.optim.Adam([{"params": model.encoder.parameters(), "lr": config.lr_encoder},
@@ -53,7 +58,7 @@ def main(config: Config) -> dict:
     for step, (images, _) in batches(loader, state["step"]):
         if step >= config.max_steps:
             break
-        images = images.to(device)
+        images = images.to(device, non_blocking=True)  # from pinned memory: the copy overlaps the next work
         loss = F.mse_loss(model(images), images)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.parity import _weights
+from benchmarks.parity import run_weights
 from benchmarks.record import RESULTS, ROOT
 from benchmarks.workloads import WORKLOADS
 
@@ -51,7 +51,7 @@ def main(argv=None):
                 print(f"{key + '[' + sub + ']':28} {a[sub]:>16.6g} {b[sub]:>16.6g}")
         else:
             print(f"{key:28} {a:>16.6g} {b:>16.6g}")
-    plain, wrapped = _weights(out / "plain", "plain"), _weights(out / "wrapped", "wrapped")
+    plain, wrapped = run_weights(out / "plain"), run_weights(out / "wrapped")
     difference = max((plain[k] - wrapped[k]).abs().max().item() for k in plain)
     print(f"{'weights max abs difference':28} {difference:>16.3g}")
 

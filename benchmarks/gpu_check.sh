@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# GPU check, for a machine with one CUDA device: every strategy x precision for the three workloads'
-# models, a few steps each, printing step time and peak memory. Finishes well inside 8 minutes.
-#   bash benchmarks/gpu_check.sh            (writes benchmarks/results/gpu_check.{md,json} and $OUT if set)
+# GPU check, for a machine with one or more CUDA devices: plain vs wrapped step time, peak CUDA memory and
+# weights for the three workloads, every precision and the sharded strategies on one device, ddp and fsdp on
+# all of them; refusals listed apart from failures. Stops starting runs after 540 s, so it ends inside 10
+# minutes unattended, and rewrites its results after every row.
+#   bash benchmarks/gpu_check.sh            (writes benchmarks/results/gpu_check.{md,json}; copies them and the log
+#                                            to $OUT when set)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD" OMP_NUM_THREADS=4

@@ -1,7 +1,11 @@
-"""MAML meta-iterations per second at the paper's sinusoid setup (K=10, 40-40 ReLU MLP, 1 inner step,
-alpha 0.01, meta-batch 25): the vectorised torch.func learner against a per-task
-`autograd.grad(create_graph=True)` loop and, when installed, a per-task loop written with `higher`.
-The meta-gradients of all three are checked to agree (allclose 1e-6, float64) before timing."""
+"""MAML meta-iterations per second on sinusoid tasks (40-40 ReLU MLP, 1 inner step, alpha 0.01, 25 tasks):
+the vectorised torch.func learner, a per-task `autograd.grad(create_graph=True)` loop (the reference: what
+plain PyTorch without torch.func does) and, when installed, a per-task loop written with `higher`. Two
+setups: the paper's (K=10 support, 10 query points per task) and the default `python -m metalearn.train`
+(metalearn/config.py: 100 query points). Before timing, in float64, the loop's meta-gradient is checked
+against central finite differences, and each other method's against the loop's (allclose 1e-6).
+Timing: float32, one thread; each repeat runs the methods in an order drawn at random (seeded, recorded)."""
+import random
 import statistics
 import time
 
@@ -43,39 +47,85 @@ def _higher_loop(learner, batch):
             (F.mse_loss(fmodel(qx), qy) / len(batch[0])).backward()
 
 
-def measure(iterations: int = 200, repeats: int = 5) -> dict:
-    torch.set_num_threads(1)
-    methods = {"vmap (torch.func)": _vmap, "per-task autograd loop": _autograd_loop}
+def _finite_difference_check(learner, batch, coordinates: int = 12, eps: float = 1e-6) -> bool:
+    """The loop's meta-gradient against central differences of the meta-loss, at a few random coordinates."""
+    _autograd_loop(learner, batch)
+    params = list(learner.model.parameters())
+    grads = [p.grad.clone() for p in params]
+    pick = torch.Generator().manual_seed(0)
+    agree = []
+    with torch.no_grad():
+        for _ in range(coordinates):
+            i = int(torch.randint(len(params), (), generator=pick))
+            j = int(torch.randint(params[i].numel(), (), generator=pick))
+            flat = params[i].view(-1)
+            losses = []
+            for delta in (eps, -eps):
+                flat[j] += delta
+                with torch.enable_grad():
+                    losses.append(learner(*batch).mean().item())
+                flat[j] -= delta
+            numeric = (losses[0] - losses[1]) / (2 * eps)
+            agree.append(abs(numeric - grads[i].view(-1)[j].item()) <= 1e-6 + 1e-5 * abs(numeric))
+    return all(agree)
+
+
+LOOP = "per-task autograd loop"
+
+
+def measure_setup(tasks: int, shots: int, queries: int, iterations: int, repeats: int, seed: int = 0) -> dict:
+    methods = {LOOP: _autograd_loop, "vmap (torch.func)": _vmap}
     try:
         import higher  # noqa: F401
         methods["per-task higher loop"] = _higher_loop
     except ImportError:
         pass
-    # correctness first, in float64
+    # correctness first, in float64: the loop against finite differences, the others against the loop
     torch.manual_seed(0)
     learner = MetaLearner(MLP(1, 40, 1).double(), F.mse_loss, inner_lr=0.01)
-    batch = tuple(t.double() for t in Sinusoid().sample(25, 10, 10, torch.Generator().manual_seed(0)))
-    reference = None
-    agree = {}
+    batch = tuple(t.double() for t in Sinusoid().sample(tasks, shots, queries, torch.Generator().manual_seed(0)))
+    agree = {LOOP: _finite_difference_check(learner, batch)}
+    methods[LOOP](learner, batch)
+    reference = [p.grad.clone() for p in learner.model.parameters()]
     for name, method in methods.items():
-        method(learner, batch)
-        grads = [p.grad.clone() for p in learner.model.parameters()]
-        reference = reference or grads
-        agree[name] = all(torch.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(grads, reference))
-    # then speed, in float32, alternating methods
+        if name != LOOP:
+            method(learner, batch)
+            agree[name] = all(torch.allclose(p.grad, r, rtol=1e-6, atol=1e-6)
+                              for p, r in zip(learner.model.parameters(), reference))
+    # then speed, in float32, the methods in a new random order each repeat (repeat 0 warms up)
     learner = MetaLearner(MLP(1, 40, 1), F.mse_loss, inner_lr=0.01)
     optimizer = torch.optim.Adam(learner.parameters(), lr=1e-3)
-    batches = [Sinusoid().sample(25, 10, 10, torch.Generator().manual_seed(i)) for i in range(iterations)]
-    samples = {name: [] for name in methods}
+    batches = [Sinusoid().sample(tasks, shots, queries, torch.Generator().manual_seed(i)) for i in range(iterations)]
+    samples, orders = {name: [] for name in methods}, []
+    shuffle = random.Random(seed).shuffle
     for repeat in range(repeats + 1):
-        for name, method in methods.items():
+        order = list(methods)
+        shuffle(order)
+        if repeat:
+            orders.append(order)
+        for name in order:
+            count = iterations // 4 if repeat == 0 else iterations
             start = time.perf_counter()
-            for batch in batches[: iterations // 4 if repeat == 0 else iterations]:
-                method(learner, batch)
+            for batch in batches[:count]:
+                methods[name](learner, batch)
                 optimizer.step()
-            if repeat:  # the first pass is the warm-up
-                samples[name].append(iterations / (time.perf_counter() - start))
-    vmap = statistics.median(samples["vmap (torch.func)"])
-    return {"rows": [{"method": name, "iterations_per_s": spread(values), "speedup_of_vmap":
-                      vmap / statistics.median(values), "meta_gradient_matches": agree[name]}
-                     for name, values in samples.items()]}
+            if repeat:
+                samples[name].append(count / (time.perf_counter() - start))
+    median = {name: statistics.median(values) for name, values in samples.items()}
+    rows = [{"method": name, "iterations_per_s": spread(values), "speed_vs_loop": median[name] / median[LOOP],
+             "speedup_of_vmap": median["vmap (torch.func)"] / median[name],
+             "gradient_reference": "central finite differences" if name == LOOP else LOOP,
+             "meta_gradient_matches": agree[name]} for name, values in samples.items()]
+    return {"tasks": tasks, "shots": shots, "queries": queries, "orders": orders, "rows": rows}
+
+
+def setups() -> dict:
+    """(tasks, shots, queries) of the paper's sinusoid runs and of the default command (metalearn/config.py)."""
+    from metalearn.config import Config
+    default = Config()
+    return {"paper": (25, 10, 10), "default": (default.batch_size, default.shots, default.queries)}
+
+
+def measure(iterations: int = 200, repeats: int = 5) -> dict:
+    torch.set_num_threads(1)
+    return {"setups": {name: measure_setup(*shape, iterations, repeats) for name, shape in setups().items()}}

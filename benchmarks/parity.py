@@ -1,14 +1,17 @@
 """Wrapped vs plain parity per workload, strategy and precision: final weights, step time, peak memory.
 
-Each comparison runs the real scripts as paired runs (plain, wrapped, plain, wrapped, ...) with the same
-seed and config. Step time is read from `metrics.jsonl` (every record is stamped): the time per step of
-each logging window after the first (warm-up) one, median over windows, so start-up, data loading,
-evaluation and the final score are not timed. Peak memory is the `peak_rss_mb` (CPU) or `peak_cuda_mb`
-(GPU) of rank 0 in `summary.json`. The plain reference of `fsdp` and `deepspeed` rows is plain DDP under
+Each comparison runs the real scripts as paired runs with the same seed and config, each pair in an order
+drawn at random (seeded by the case, and recorded), so that neither variant always runs first on a machine
+that warms up or slows down. An A/A comparison (`against="plain"`: plain vs plain) measures what identical
+code differs by here: the noise floor that a wrapped/plain ratio must be read against. Step time is read
+from `metrics.jsonl` (every record is stamped): the time per step of each logging window after the first
+(warm-up) one, median over windows, so start-up, data loading, evaluation and the final score are not timed.
+Peak memory is the `peak_rss_mb` (CPU) or `peak_cuda_mb` (GPU) of rank 0 in `summary.json`. The plain reference of `fsdp` and `deepspeed` rows is plain DDP under
 torchrun: the same math, so weights agree to float tolerance and the time ratio is the strategy's cost.
 """
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -56,19 +59,27 @@ def run_weights(run_dir: Path) -> dict:
             for name, value in sub.items() if isinstance(value, torch.Tensor) and value.is_floating_point()}
 
 
-def compare(workload: str, strategy: str, precision: str = "32-true", repeats: int = 2, scale: int = 1) -> dict:
+def compare(workload: str, strategy: str, precision: str = "32-true", repeats: int = 2, scale: int = 1,
+            against: str = "wrapped", seed: int = 0) -> dict:
+    """Plain vs `against` ("wrapped", or "plain" for the A/A row) over `repeats` pairs, each pair in a random
+    order drawn from `seed` and the case; the orders are returned under "orders"."""
     steps, log_every = WORKLOADS[workload].parity_steps
     steps *= scale
     plain_strategy = "single" if strategy == "single" else "ddp"
     times = {"plain": [], "wrapped": []}
     memory = {"plain": [], "wrapped": []}
-    ratios, final = [], {}
+    ratios, final, orders = [], {}, []
+    shuffle = random.Random(f"{seed} {workload} {strategy} {precision} {against}").shuffle
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(repeats):
             medians = {}
-            for variant in ("plain", "wrapped"):
+            order = ["plain", "wrapped"]  # "wrapped" is the second side: the wrapped script, or plain again (A/A)
+            shuffle(order)
+            orders.append(order)
+            for variant in order:
                 out = Path(tmp) / f"{variant}{repeat}"
-                command = _command(workload, variant, plain_strategy if variant == "plain" else strategy, precision,
+                script = "plain" if variant == "plain" or against == "plain" else "wrapped"
+                command = _command(workload, script, plain_strategy if script == "plain" else strategy, precision,
                                    steps, log_every, out)
                 result = _run(command, out)
                 times[variant] += result["step_ms"]
@@ -83,7 +94,8 @@ def compare(workload: str, strategy: str, precision: str = "32-true", repeats: i
     common = [key for key in a if key in b and a[key].shape == b[key].shape]
     difference = max((a[k] - b[k]).abs().max().item() for k in common) if common else float("nan")
     bitwise = bool(common) and len(common) == len(a) and all(torch.equal(a[k], b[k]) for k in common)
-    return {"workload": workload, "strategy": strategy, "precision": precision, "steps": steps,
+    return {"workload": workload, "strategy": strategy, "precision": precision, "steps": steps, "against": against,
+            "orders": orders,
             "plain_ms": spread(times["plain"]), "wrapped_ms": spread(times["wrapped"]), "ratio": spread(ratios),
             "plain_memory_mb": statistics.median(memory["plain"]),
             "wrapped_memory_mb": statistics.median(memory["wrapped"]),

@@ -72,15 +72,22 @@ def table(columns: list[str], rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bar_chart(path: Path, labels: list[str], values: list[float], target: float | None, xlabel: str) -> None:
+def bar_chart(path: Path, labels: list[str], values: list[float], target, xlabel: str) -> None:
+    """Horizontal bars; `target`: None, one bound for all bars (a dashed line), or one bound (or None) per bar
+    (a tick on each bar). A bar above its bound is red."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    targets = target if isinstance(target, list) else [target] * len(values)
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(labels) + 1.2))
-    ax.barh(labels, values, color=["tab:red" if target and v > target else "tab:blue" for v in values])
-    if target:
+    ax.barh(labels, values, color=["tab:red" if t and v > t else "tab:blue" for v, t in zip(values, targets)])
+    if isinstance(target, list):
+        marked = [(i, t) for i, t in enumerate(targets) if t]
+        ax.plot([t for _, t in marked], [i for i, _ in marked], "k|", markersize=14, label="target")
+    elif target:
         ax.axvline(target, color="k", linestyle="--", label=f"target {target}")
+    if any(targets):
         ax.legend()
     ax.set_xlabel(xlabel)
     ax.invert_yaxis()

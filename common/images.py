@@ -97,12 +97,14 @@ def load_images(name: str, root: str = "data", image_size: int = 32, train: bool
     return dataset
 
 
-def make_loader(dataset, batch_size: int, seed: int, num_workers: int = 0, rank: int = 0, world_size: int = 1):
-    """Shuffled batches in an order fixed by (seed, epoch); each of `world_size` ranks takes its share."""
+def make_loader(dataset, batch_size: int, seed: int, num_workers: int = 0, rank: int = 0, world_size: int = 1,
+                pin_memory: bool = False):
+    """Shuffled batches in an order fixed by (seed, epoch); each of `world_size` ranks takes its share.
+    `pin_memory`: batches in page-locked memory, for asynchronous copies to a GPU."""
     if batch_size * world_size > len(dataset):
         raise ValueError(f"--batch-size {batch_size} x {world_size} process(es) is more than the "
                          f"{len(dataset)} examples of the dataset")
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                  drop_last=True)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=num_workers,
-                      persistent_workers=num_workers > 0)
+                      persistent_workers=num_workers > 0, pin_memory=pin_memory)

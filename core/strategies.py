@@ -134,6 +134,19 @@ class SingleDevice:
         pass
 
 
+def cuda_index(local_rank: int) -> int:
+    """This rank's GPU: cuda:LOCAL_RANK, or cuda:0 where each rank sees only its own GPU (CUDA_VISIBLE_DEVICES
+    set per rank, as SLURM and some clusters do), so that LOCAL_RANK exceeds the visible devices."""
+    visible = torch.cuda.device_count()
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise RuntimeError(f"LOCAL_RANK is {local_rank} but this process sees {visible} GPUs (cuda:0 to cuda:{visible - 1})"
+                       f": start at most {visible} processes per node, or give each process its own GPU with "
+                       f"CUDA_VISIBLE_DEVICES.")
+
+
 class DDP(SingleDevice):
     """DistributedDataParallel: gloo on CPU, NCCL on CUDA. Per-module options (find_unused_parameters,
     broadcast_buffers, ...) go to that module's DDP wrapper only."""
@@ -159,7 +172,7 @@ class DDP(SingleDevice):
         self.global_rank, self.local_rank = env["global_rank"], env["local_rank"]
         self.world_size, self.node_rank = env["world_size"], env["node_rank"]
         if self.device.type == "cuda":
-            self.device = torch.device("cuda", self.local_rank)
+            self.device = torch.device("cuda", cuda_index(self.local_rank))
             torch.cuda.set_device(self.device)
         if not dist.is_initialized():
             # on CUDA, gloo serves CPU tensors beside nccl: the bounded exit barrier (monitored_barrier) needs it

@@ -348,4 +348,8 @@ def compile_like(module: nn.Module, compiled: nn.Module) -> nn.Module:
 
 def move_to(obj, device: torch.device):
     """Tensors and modules moved to `device`, also inside lists, tuples (named ones too) and dicts."""
-    return map_nested(obj, lambda leaf: leaf.to(device) if isinstance(leaf, (torch.Tensor, nn.Module)) else leaf)
+    # host -> GPU copies are queued on the current stream, so they may return before the copy ends (from pinned
+    # memory it overlaps the next work); copies to the host stay blocking: the host reads their values next
+    non_blocking = device.type == "cuda"
+    return map_nested(obj, lambda leaf: leaf.to(device, non_blocking=non_blocking)
+                      if isinstance(leaf, (torch.Tensor, nn.Module)) else leaf)

@@ -30,7 +30,8 @@ def main(config: Config) -> dict:
     run = RunDir(config.out or config.resume, "gan", write=rank == 0, broadcast=fabric.broadcast)
 
     dataset = load_images(config.dataset, config.data_root, config.image_size, download=config.download)
-    loader = make_loader(dataset, config.batch_size, config.seed, config.num_workers, rank, world_size)
+    loader = make_loader(dataset, config.batch_size, config.seed, config.num_workers, rank, world_size,
+                         pin_memory=device.type == "cuda")  # page-locked batches copy to the GPU asynchronously
     loader = fabric.setup_dataloaders(loader)
 
     channels = CHANNELS[config.dataset]

@@ -25,14 +25,19 @@ from gan.report import finish, save_samples
 
 def main(config: Config) -> dict:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    # cuda:LOCAL_RANK, or cuda:0 where each rank sees only its own GPU (CUDA_VISIBLE_DEVICES set per rank)
+    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL and any bare .cuda() then use this rank's GPU, not cuda:0
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     run = RunDir(config.out or config.resume, "gan", write=rank == 0)
 
     dataset = load_images(config.dataset, config.data_root, config.image_size, download=config.download)
-    loader = make_loader(dataset, config.batch_size, config.seed, config.num_workers, rank, world_size)
+    loader = make_loader(dataset, config.batch_size, config.seed, config.num_workers, rank, world_size,
+                         pin_memory=device.type == "cuda")  # page-locked batches copy to the GPU asynchronously
 
     channels = CHANNELS[config.dataset]
     generator = Generator(config.nz, config.ngf, channels, config.image_size).to(device)
@@ -60,7 +65,7 @@ def main(config: Config) -> dict:
     for step, (real, _) in batches(loader, state["step"]):
         if step >= config.max_steps:
             break
-        real = real.to(device)
+        real = real.to(device, non_blocking=True)  # from pinned memory: the copy overlaps the next work
         noise = torch.randn(real.size(0), config.nz, 1, 1, generator=step_generator(config.seed, rank, step))
         noise = noise.to(device)
 
@@ -73,8 +78,13 @@ def main(config: Config) -> dict:
         loss_d.backward()
         optimizer_d.step()
 
-        # (2) Update G: maximize log D(G(z))
-        logits = discriminator(fake)
+        # (2) Update G: maximize log D(G(z)); D is a fixed function here: no D gradients, no D all-reduce.
+        # D's parameters are frozen, and under DDP D is called through .module, as fabric.frozen does: DDP's
+        # forward would only prepare its reducer for a backward that gives D no gradients to reduce.
+        frozen_discriminator = discriminator.module if world_size > 1 else discriminator
+        frozen_discriminator.requires_grad_(False)
+        logits = frozen_discriminator(fake)
+        frozen_discriminator.requires_grad_(True)
         loss_g = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
         optimizer_g.zero_grad(set_to_none=True)
         loss_g.backward()

@@ -49,7 +49,8 @@ def test_encode_and_decode_compose_to_forward():
 def test_ddp_two_processes_equal_one_process_on_the_full_batch(tmp_path):
     common = ["-m", "autoencoder.train", "--dataset", "fake", "--max-steps", "5", "--width", "4", "--latent", "4"]
     run([*common, "--batch-size", "16", "--out", str(tmp_path / "one")])
-    run([*common, "--batch-size", "8", "--strategy", "ddp", "--devices", "2", "--out", str(tmp_path / "two")])
+    run([*common, "--batch-size", "8", "--strategy", "ddp", "--accelerator", "cpu", "--devices", "2",
+         "--out", str(tmp_path / "two")])
     one = load_checkpoint(tmp_path / "one" / "checkpoints" / "last.ckpt")["model"]
     two = load_checkpoint(tmp_path / "two" / "checkpoints" / "last.ckpt")["model"]
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-6

@@ -2,6 +2,7 @@
 as failing. No timing is asserted here."""
 import dataclasses
 import json
+import random
 
 import pytest
 
@@ -27,10 +28,31 @@ def test_overhead_measures_every_variant(results):
     assert result["stop_check"]["one_process_us"]["median"] > 0 < result["stop_check"]["two_processes_us"]["median"]
 
 
-def test_maml_speed_checks_meta_gradients_first():
+def test_maml_speed_checks_meta_gradients_first_at_both_setups():
     result = maml_speed.measure(iterations=4, repeats=1)
-    assert all(row["meta_gradient_matches"] for row in result["rows"])
-    assert {"vmap (torch.func)", "per-task autograd loop"} <= {row["method"] for row in result["rows"]}
+    assert {name: s["queries"] for name, s in result["setups"].items()} == {"paper": 10, "default": 100}
+    for setup in result["setups"].values():
+        rows = {row["method"]: row for row in setup["rows"]}
+        assert all(row["meta_gradient_matches"] for row in rows.values())
+        assert rows["per-task autograd loop"]["gradient_reference"] == "central finite differences"
+        assert rows["vmap (torch.func)"]["gradient_reference"] == "per-task autograd loop"
+        assert sorted(setup["orders"][0]) == sorted(rows)
+
+
+def test_the_finite_difference_check_catches_a_wrong_meta_gradient(monkeypatch):
+    """A first-order loop (inner gradients detached) is not MAML's meta-gradient: the check must say so."""
+    import torch
+    import torch.nn.functional as F
+
+    from metalearn.data import Sinusoid
+    from metalearn.maml import MetaLearner
+    from metalearn.model import MLP
+    learner = MetaLearner(MLP(1, 40, 1).double(), F.mse_loss, inner_lr=0.01)
+    batch = tuple(t.double() for t in Sinusoid().sample(5, 10, 10, torch.Generator().manual_seed(0)))
+    assert maml_speed._finite_difference_check(learner, batch)
+    grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: tuple(g.detach() for g in grad(*a, **k)))
+    assert not maml_speed._finite_difference_check(learner, batch)
 
 
 def test_parity_of_a_real_workload_on_one_process(monkeypatch):
@@ -38,20 +60,50 @@ def test_parity_of_a_real_workload_on_one_process(monkeypatch):
     row = parity.compare("metalearn", "single", repeats=1)
     assert row["weights_bitwise_equal"] and row["compared_tensors"] == 6
     assert row["plain_ms"]["n"] == 4 and row["plain_memory_mb"] > 0
+    assert row["orders"] in ([["plain", "wrapped"]], [["wrapped", "plain"]])
+
+
+def test_the_a_a_row_runs_the_plain_script_twice_in_a_seeded_order(monkeypatch):
+    monkeypatch.setitem(WORKLOADS, "metalearn", dataclasses.replace(WORKLOADS["metalearn"], parity_steps=(30, 5)))
+    commands = []
+    run = parity._run
+    monkeypatch.setattr(parity, "_run", lambda command, out: commands.append(command) or run(command, out))
+    row = parity.compare("metalearn", "single", repeats=2, against="plain", seed=3)
+    assert all("metalearn.train_torch" in command for command in commands) and len(commands) == 4
+    assert row["against"] == "plain" and row["weights_bitwise_equal"]
+    draw, again = random.Random("3 metalearn single 32-true plain"), []
+    for _ in range(2):
+        order = ["plain", "wrapped"]
+        draw.shuffle(order)
+        again.append(order)
+    assert row["orders"] == again  # recorded, and the same seed draws the same order
 
 
 def test_a_failing_parity_row_is_shown_failing_and_results_are_well_formed(results, monkeypatch):
     fake = {"plain_ms": record.spread([1.0]), "wrapped_ms": record.spread([1.5]), "ratio": record.spread([1.5]),
             "plain_memory_mb": 100.0, "wrapped_memory_mb": 120.0, "weights_bitwise_equal": False,
             "weights_max_abs_diff": 0.5, "compared_tensors": 3, "steps": 10}
-    monkeypatch.setattr(parity, "compare", lambda w, s, p="32-true", **k: {**fake, "workload": w, "strategy": s,
-                                                                           "precision": p})
+    noise = {"gan": 0.02, "autoencoder": 0.0, "metalearn": 0.0}  # A/A ratios 1 - floor and 1 + floor
+
+    def compare(w, s, p="32-true", against="wrapped", **k):
+        if against == "plain":
+            aa = {"ratio": {"median": 1.0, "min": 1 - noise[w], "max": 1 + noise[w], "n": 2}, "plain_memory_mb": 100.0,
+                  "wrapped_memory_mb": 100.0, "weights_bitwise_equal": True}
+            return {**fake, **aa, "workload": w, "strategy": s, "precision": p, "against": against,
+                    "orders": [["wrapped", "plain"], ["plain", "wrapped"]]}
+        return {**fake, "workload": w, "strategy": s, "precision": p, "against": against,
+                "orders": [["wrapped", "plain"]]}
+
+    monkeypatch.setattr(parity, "compare", compare)
     markdown = bench.run_parity(quick=True)
     row = next(line for line in markdown.splitlines() if line.startswith("| gan | single"))
     assert row.count("**no**") == 2 and "max diff 0.5" in row  # time and memory both miss their targets
+    assert "<= 1.050: **no**" in row and row.endswith("| wp |")  # 1.03 + gan's floor 0.02; wrapped ran first
+    assert "| gan | plain (A/A) | 32-true |" in markdown and "floor 0.020" in markdown
     saved = json.loads((results / "quick" / "parity.json").read_text())
     assert saved["environment"]["commit"] and saved["environment"]["torch"]
-    assert len(saved["rows"]) == 8 and (results / "quick" / "parity.png").is_file()
+    assert len(saved["rows"]) == 3 + 8 and saved["rows"][0]["against"] == "plain"
+    assert (results / "quick" / "parity_wrapper.png").is_file() and (results / "quick" / "parity_costs.png").is_file()
     assert (results / "quick" / "parity.md").read_text().startswith("_commit ")
 
 
@@ -82,18 +134,27 @@ def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, 
         "rows": [{"variant": v, "us_per_step": timing, "ratio": timing, "overhead_us": 0.0} for v in ("plain", "core")],
         "import": {"core_s": timing, "torch_s": timing, "ratio": 1.0},
         "stop_check": {"one_process_us": timing, "two_processes_us": timing}})
-    monkeypatch.setattr(maml_speed, "measure", lambda iterations, repeats: {"rows": [  # no higher; 4.89x misses 5x
-        {"method": "vmap (torch.func)", "iterations_per_s": timing, "speedup_of_vmap": 1.0,
-         "meta_gradient_matches": True},
-        {"method": "per-task autograd loop", "iterations_per_s": timing, "speedup_of_vmap": 4.89,
-         "meta_gradient_matches": True}]})
+    setup = {"tasks": 25, "shots": 10, "queries": 10, "orders": [["vmap (torch.func)", "per-task autograd loop"]],
+             "rows": [  # no higher; 4.89x misses 5x
+                 {"method": "per-task autograd loop", "iterations_per_s": timing, "speed_vs_loop": 1.0,
+                  "speedup_of_vmap": 4.89, "gradient_reference": "central finite differences",
+                  "meta_gradient_matches": True},
+                 {"method": "vmap (torch.func)", "iterations_per_s": timing, "speed_vs_loop": 4.89,
+                  "speedup_of_vmap": 1.0, "gradient_reference": "per-task autograd loop",
+                  "meta_gradient_matches": True}]}
+    monkeypatch.setattr(maml_speed, "measure", lambda iterations, repeats: {"setups": {
+        "paper": setup, "default": {**setup, "queries": 100}}})
 
     bench.main(["--quick", "--only", "overhead,maml"])
     assert readme.read_text() == "<!-- benchmarks:start -->\n<!-- benchmarks:end -->\n"
     assert all(path.read_text() == "full run\n" for path in full.values())
     quick = (results / "quick" / "maml_speed.md").read_text()
-    assert "| per-task autograd loop | 1 | 1.0-1.0 | 4.89 | >= 5 | **no** | yes |" in quick
+    assert ("| per-task autograd loop | 1 | 1.0-1.0 | 1 (the reference) | 4.89 | >= 5x this (vmap) | **no** | "
+            "central finite differences | yes |") in quick
+    assert "| vmap (torch.func) | 1 | 1.0-1.0 | 4.89 |  |  |  | per-task autograd loop | yes |" in quick
     assert "| per-task higher loop | not installed: pip install -e '.[bench]' |" in quick
+    assert "paper setup (25 tasks, 10 support and 10 query" in quick
+    assert "default setup (25 tasks, 10 support and 100 query" in quick
     assert "| lightning | not installed: pip install -e '.[bench]' |" in (results / "quick" / "overhead.md").read_text()
 
     bench.main(["--only", "overhead"])  # a full run of a part: its result files and its README table
@@ -115,3 +176,36 @@ def test_parity_reads_deepspeed_weights(monkeypatch):
     monkeypatch.setitem(WORKLOADS, "autoencoder", dataclasses.replace(WORKLOADS["autoencoder"], parity_steps=(12, 3)))
     row = parity.compare("autoencoder", "deepspeed_stage_2", repeats=1)
     assert row["compared_tensors"] > 0 and row["weights_max_abs_diff"] < 1e-6
+
+
+def test_gpu_check_lists_refusals_apart_from_failures(results, monkeypatch, tmp_path):
+    """Exit 2 with one line is a refusal by design; any other exit a failure; each in its own table."""
+    import subprocess
+
+    from benchmarks import gpu_check
+    outcomes = {"refused": (2, "python -m metalearn.train: MAML cannot run under DeepSpeed: ..."),
+                "failed": (1, "Traceback (most recent call last):\nRuntimeError: CUDA error: out of memory")}
+    statuses = {}
+    for kind, (code, stderr) in outcomes.items():
+        monkeypatch.setattr(subprocess, "run", lambda *a, code=code, stderr=stderr, **k: subprocess.CompletedProcess(
+            a[0], code, "", stderr))
+        statuses[kind] = gpu_check.run_case(("metalearn", 1, "deepspeed_stage_2", "32-true"), tmp_path, 10)["status"]
+    assert statuses["refused"].startswith("refused: python -m metalearn.train: MAML cannot run")
+    assert statuses["failed"] == "failed (exit 1): RuntimeError: CUDA error: out of memory"
+    rows = [{"workload": "gan", "devices": 1, "variant": v, "precision": "32-true", "step_ms": 2.0, "ratio": 1.01,
+             "peak_cuda_mb": 100.0, "memory_ratio": 1.0, "weights_max_abs_diff": 0.0, "status": status}
+            for v, status in (("plain", "ok"), ("single", "ok"), ("deepspeed_stage_2", statuses["refused"]),
+                              ("fsdp", statuses["failed"]), ("ddp", "not run: time budget spent"))]
+    markdown = gpu_check.report(rows, "a GPU", 1, 12.0, 540)
+    assert "**Ran: 2**" in markdown and "**Refused by design (exit 2, one line): 1**" in markdown
+    assert "**Failed: 1**" in markdown and "**Not run (time budget): 1**" in markdown
+    assert markdown.index("MAML cannot run") < markdown.index("**Failed") < markdown.index("out of memory")
+    assert len(json.loads((results / "gpu_check.json").read_text())["rows"]) == 5
+    assert len(gpu_check.cases(1)) == 3 * 12 and len(gpu_check.cases(2)) == 3 * 15  # N devices: plain, ddp, fsdp
+
+
+def test_gpu_check_without_a_gpu_says_so(monkeypatch):
+    from benchmarks import gpu_check
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="torch sees no CUDA device; run it on a machine with a GPU"):
+        gpu_check.main([])

@@ -163,7 +163,8 @@ def test_a_deepspeed_file_that_would_run_code_is_refused_unrun(tmp_path):
 def test_convert_makes_one_plain_file_that_the_plain_script_resumes(tmp_path):
     """gan under fsdp x2 (a sharded directory) -> python -m core.convert -> torch.load(weights_only) and the
     plain script's --resume, on the default data; the plain script's own --resume of the directory says how."""
-    run(["-m", "gan.train", "--strategy", "fsdp", "--devices", "2", "--max-steps", "3", "--out", str(tmp_path / "fsdp")])
+    run(["-m", "gan.train", "--accelerator", "cpu", "--strategy", "fsdp", "--devices", "2", "--max-steps", "3",
+         "--out", str(tmp_path / "fsdp")])
     refused = run(["-m", "gan.train_torch", "--resume", str(tmp_path / "fsdp"), "--max-steps", "5"], check=False)
     assert refused.returncode == 2 and "python -m core.convert" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
@@ -188,11 +189,11 @@ def test_convert_misuse_exits_2_with_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_the_plain_script_resumes_a_wrapped_run_exactly(tmp_path):
-    """autoencoder through core, 4 steps -> plain script --resume to 8 == 8 plain steps, bit for bit."""
-    common = ["-m", "autoencoder.train_torch", "--max-steps", "8"]
-    run(["-m", "autoencoder.train", "--max-steps", "4", "--out", str(tmp_path / "wrapped")])
-    run([*common, "--resume", str(tmp_path / "wrapped"), "--out", str(tmp_path / "resumed")])
-    run([*common, "--out", str(tmp_path / "plain")])
+    """autoencoder through core, 4 steps -> plain script --resume to 8 == 8 plain steps, bit for bit (on the CPU)."""
+    common, cpu = ["-m", "autoencoder.train_torch", "--max-steps", "8"], {"CUDA_VISIBLE_DEVICES": ""}
+    run(["-m", "autoencoder.train", "--accelerator", "cpu", "--max-steps", "4", "--out", str(tmp_path / "wrapped")])
+    run([*common, "--resume", str(tmp_path / "wrapped"), "--out", str(tmp_path / "resumed")], env=cpu)
+    run([*common, "--out", str(tmp_path / "plain")], env=cpu)
     resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)
     plain = torch.load(tmp_path / "plain" / "checkpoints" / "last.ckpt", weights_only=True)
     assert resumed["step"] == plain["step"] == 8

@@ -188,3 +188,17 @@ def test_a_strategy_added_through_the_registry(monkeypatch):
         assert Fabric(accelerator="cpu", strategy="counting_from_5").strategy.steps == 5
     finally:
         del strategies.STRATEGIES["counting_from_5"]
+
+
+def test_each_rank_finds_its_gpu_also_when_it_sees_only_its_own(monkeypatch):
+    """cuda:LOCAL_RANK where a rank sees every GPU of its node; cuda:0 where CUDA_VISIBLE_DEVICES shows each
+    rank one GPU (LOCAL_RANK then exceeds the visible devices); more ranks than GPUs is refused, saying what
+    to do. (The device count is simulated: this runs on machines without a GPU.)"""
+    from core.strategies import cuda_index
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [cuda_index(rank) for rank in range(4)] == [0, 1, 2, 3]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert [cuda_index(rank) for rank in range(4)] == [0, 0, 0, 0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RuntimeError, match="LOCAL_RANK is 2 but this process sees 2 GPUs .* CUDA_VISIBLE_DEVICES"):
+        cuda_index(2)

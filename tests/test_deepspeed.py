@@ -87,7 +87,8 @@ def test_every_mode_runs_on_one_process_and_matches_single(tmp_path, workload):
     """`python -m WORKLOAD.train --strategy MODE --devices 1`, each its own command as a user runs it: the
     run finishes and its weights are those of `--strategy single` (two commands at a time, 1 thread each)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    commands = {mode: [sys.executable, "-m", f"{workload}.train", *TINY[workload], "--strategy", mode, "--devices", "1",
+    commands = {mode: [sys.executable, "-m", f"{workload}.train", *TINY[workload], "--strategy", mode,
+                       "--accelerator", "cpu", "--devices", "1",
                        "--max-steps", "3", "--out", str(tmp_path / mode)] for mode in ("single", *MODES)}
     pending, running = list(commands.items()), []
     while pending or running:
@@ -171,7 +172,8 @@ def test_two_processes_match_one_process_on_the_full_batch(tmp_path):
 
 def start(out: Path, strategy: str, steps: int) -> subprocess.Popen:
     """A 2-process GAN run in a session of its own, so that the whole run can be killed at once."""
-    command = [sys.executable, "-m", "gan.train", *TINY["gan"], "--strategy", strategy, "--devices", "2",
+    command = [sys.executable, "-m", "gan.train", *TINY["gan"], "--strategy", strategy, "--accelerator", "cpu",
+               "--devices", "2",
                "--max-steps", str(steps), "--log-every", "5", "--checkpoint-every", "5", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -210,7 +212,8 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, strategy):
     saved = load_checkpoint(checkpoint / "state.pt")["step"]
     assert 0 < saved < 40, "the kill did not land mid-run"
     finish(reference)
-    run(["-m", "gan.train", *TINY["gan"], "--strategy", strategy, "--devices", "2", "--max-steps", "40",
+    run(["-m", "gan.train", *TINY["gan"], "--strategy", strategy, "--accelerator", "cpu", "--devices", "2",
+         "--max-steps", "40",
          "--log-every", "5", "--checkpoint-every", "5", "--resume", str(tmp_path / "killed")], timeout=300)
     assert max_difference(run_weights(tmp_path / "killed"), run_weights(tmp_path / "reference")) < 1e-6
     steps = [json.loads(line)["step"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]

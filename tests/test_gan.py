@@ -1,6 +1,7 @@
 """The DCGAN workload: plain vs wrapped, resume, every dataset loader on generated files, the CLI."""
 import gzip
 import json
+import math
 import pickle
 import struct
 
@@ -39,6 +40,28 @@ def test_plain_and_wrapped_train_bitwise_equal(tmp_path):
     assert_equal(weights(tmp_path / "plain", plain=True), weights(tmp_path / "wrapped"))
 
 
+def test_both_variants_compute_d_gradients_in_the_d_step_only(tmp_path, monkeypatch):
+    """Equal work: in the G step both variants treat D as a fixed function, so each D parameter gets one
+    gradient per step (the D step's), in the plain script as under fabric.frozen."""
+    from gan.model import Discriminator
+    calls = {"plain": 0, "wrapped": 0}
+
+    def counting(variant):
+        class CountingDiscriminator(Discriminator):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                for p in self.parameters():
+                    p.register_hook(lambda grad: calls.__setitem__(variant, calls[variant] + 1))
+        return CountingDiscriminator
+
+    monkeypatch.setattr(train_torch, "Discriminator", counting("plain"))
+    monkeypatch.setattr(train, "Discriminator", counting("wrapped"))
+    train_torch.main(Config(**TINY, max_steps=3, out=str(tmp_path / "plain")))
+    train.main(merge(Config, FabricFlags)(**TINY, max_steps=3, out=str(tmp_path / "wrapped"), accelerator="cpu"))
+    parameters = len(list(Discriminator(TINY["ndf"], 1, 32).parameters()))
+    assert calls == {"plain": 3 * parameters, "wrapped": 3 * parameters}
+
+
 def test_resume_continues_exactly(tmp_path):
     config = merge(Config, FabricFlags)
     train.main(config(**TINY, max_steps=8, out=str(tmp_path / "full"), accelerator="cpu"))
@@ -55,12 +78,34 @@ def test_default_run_writes_the_run_directory_and_a_score(tmp_path):
                   "--ngf", "8", "--ndf", "8", "--out", str(tmp_path)])
     assert "classifier FID" in result.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
-    for key in ("fid_classifier", "fid_real_floor", "fid_noise", "class_entropy"):
-        assert summary[key] >= 0
-    assert summary["fid_real_floor"] < summary["fid_noise"]
+    # classifier features are in units of the real features' scale: held-out digits sit near 0 (0.44 here),
+    # uniform noise far away (42), and 30 steps of a tiny GAN are nowhere near real digits (87, one class)
+    assert summary["fid_real_floor"] < 2 and summary["fid_noise"] > max(10, 20 * summary["fid_real_floor"])
+    assert summary["fid_classifier"] > 5 * summary["fid_real_floor"]
+    assert 0 <= summary["class_entropy"] <= summary["class_entropy_max"] == pytest.approx(math.log(10))
     for name in ("metrics.jsonl", "config.json", "losses.png", "checkpoints/last.ckpt", "samples/step_000015.png",
                  "samples/step_000030.png"):
         assert (tmp_path / name).is_file(), name
+
+
+def test_the_score_puts_real_digits_at_the_floor_and_noise_and_one_class_far_from_it():
+    """The scorer itself, on images whose score is known: real digits score near the real floor with all ten
+    classes (entropy near ln 10), uniform noise far above it, 360 copies of one digit far above it with
+    entropy 0."""
+    from gan.score import score
+    train_set, test_set = load_images("digits"), load_images("digits", train=False)
+    train_images = torch.stack([image for image, _ in train_set])
+    held_out = torch.stack([image for image, _ in test_set])
+    picks = torch.randperm(len(train_images), generator=torch.Generator().manual_seed(0))[:len(held_out)]
+    real = score(train_images[picks], train_set, test_set, "digits", 32)
+    noise = score(torch.rand(held_out.shape, generator=torch.Generator().manual_seed(1)) * 2 - 1, train_set,
+                  test_set, "digits", 32)
+    one_digit = score(held_out[:1].expand_as(held_out), train_set, test_set, "digits", 32)
+    floor = real["fid_real_floor"]
+    assert 0 < floor < 2 and real["fid_classifier"] < 1.5 * floor  # training digits: at or below the floor
+    assert real["class_entropy"] > 2.2  # the ten digits are about equally common in the data
+    assert noise["fid_classifier"] > max(10, 20 * floor)
+    assert one_digit["fid_classifier"] > max(10, 20 * floor) and one_digit["class_entropy"] == 0.0
 
 
 @pytest.mark.multiprocess
@@ -69,7 +114,7 @@ def test_default_run_writes_the_run_directory_and_a_score(tmp_path):
 def test_gan_trains_under_every_strategy_on_two_processes(tmp_path, strategy, precision):
     if strategy.startswith("deepspeed"):
         pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
-    run(["-m", "gan.train", "--strategy", strategy, "--devices", "2", "--precision", precision,
+    run(["-m", "gan.train", "--strategy", strategy, "--accelerator", "cpu", "--devices", "2", "--precision", precision,
          "--dataset", "fake", "--max-steps", "4",
          "--batch-size", "8", "--ngf", "8", "--ndf", "8", "--nz", "16", "--log-every", "2", "--eval-samples", "8",
          "--out", str(tmp_path)], timeout=300)
@@ -78,11 +123,16 @@ def test_gan_trains_under_every_strategy_on_two_processes(tmp_path, strategy, pr
 
 
 @pytest.mark.multiprocess
-def test_plain_variant_runs_under_torchrun(tmp_path):
-    run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "gan.train_torch", "--dataset", "fake",
-         "--max-steps", "4", "--batch-size", "8", "--ngf", "8", "--ndf", "8", "--nz", "16", "--eval-samples", "8",
-         "--out", str(tmp_path)], timeout=300)
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+def test_plain_variant_under_torchrun_equals_the_wrapped_one_under_ddp(tmp_path):
+    """Several steps, so a G step that left DDP's reducer waiting for D gradients would fail the next one."""
+    args = ["--dataset", "fake", "--max-steps", "4", "--batch-size", "8", "--ngf", "8", "--ndf", "8", "--nz", "16",
+            "--eval-samples", "8"]
+    # the plain script takes the GPU when torch sees one, like any plain script: hide it, this is the CPU test
+    run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "gan.train_torch", *args,
+         "--out", str(tmp_path / "plain")], timeout=300, env={"CUDA_VISIBLE_DEVICES": ""})
+    run(["-m", "gan.train", *args, "--accelerator", "cpu", "--strategy", "ddp", "--devices", "2",
+         "--out", str(tmp_path / "wrapped")], timeout=300)
+    assert_equal(weights(tmp_path / "plain", plain=True), weights(tmp_path / "wrapped"))
 
 
 # --- datasets, read by torchvision from files in their real formats --------------------------------

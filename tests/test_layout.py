@@ -11,7 +11,10 @@ import pytest
 from benchmarks.workloads import WORKLOADS
 
 ROOT = Path(__file__).resolve().parent.parent
-BUDGETS = {"gan": 55, "autoencoder": 45, "metalearn": 46}  # changed lines, comments and blanks stripped
+# changed lines, comments and blanks stripped. Each plain script picks and sets its rank's GPU in 4 lines
+# where core does it in Fabric; gan's plain G step freezes D and calls it outside DDP in 4 lines where core's
+# is 2 (fabric.frozen), so both variants do the same work
+BUDGETS = {"gan": 60, "autoencoder": 48, "metalearn": 49}
 
 
 def code_lines(path: Path) -> list[str]:

@@ -78,6 +78,9 @@ def test_every_readme_command_runs(tmp_path, where, command):
     words += ["--max-steps", "3", "--out", str(tmp_path / "run")]
     environment = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}  # as a user runs it
     environment["PYTHONPATH"] = str(ROOT)
+    # the README's commands are its CPU examples (`--devices 2` on a 1-GPU machine would be refused), and the
+    # plain scripts have no --accelerator flag: hide any GPU from them
+    environment["CUDA_VISIBLE_DEVICES"] = ""
     result = subprocess.run(words, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, f"{where}: {command}\n{result.stderr[-4000:]}"
     assert "Traceback" not in result.stderr, result.stderr[-4000:]
@@ -97,7 +100,8 @@ def test_every_readme_command_runs(tmp_path, where, command):
 
 def start(out: Path, *args: str, max_steps: int = 5000) -> subprocess.Popen:
     """The autoencoder on its default data (digits) on 2 processes; long enough to be stopped mid-run."""
-    command = [sys.executable, "-m", "autoencoder.train", "--devices", "2", "--max-steps", str(max_steps),
+    command = [sys.executable, "-m", "autoencoder.train", "--accelerator", "cpu", "--devices", "2",
+               "--max-steps", str(max_steps),
                "--log-every", "10", "--out", str(out), *args]
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -163,7 +167,8 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step(tmp_path, strategy, s
     assert load_checkpoint(saved / "state.pt" if saved.is_dir() else saved)["step"] == step  # deepspeed: a folder
     assert not (out / "summary.json").exists()  # stopped, not finished
 
-    resumed = run(["-m", "autoencoder.train", "--devices", "2", "--strategy", strategy, "--max-steps",
+    resumed = run(["-m", "autoencoder.train", "--accelerator", "cpu", "--devices", "2", "--strategy", strategy,
+                   "--max-steps",
                    str(step + 5), "--log-every", "10", "--resume", str(out)], timeout=300)
     assert "Traceback" not in resumed.stderr and f"Resumed {out} from step {step}" in resumed.stdout
     assert json.loads((out / "summary.json").read_text())["steps"] == step + 5
@@ -217,7 +222,8 @@ def start_with_hook(tmp_path: Path, hook: str, *args: str) -> subprocess.Popen:
     (tmp_path / "hook").mkdir()
     (tmp_path / "hook" / "sitecustomize.py").write_text(hook)
     environment = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hook'}:{ROOT}", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "autoencoder.train", "--strategy", "ddp", "--devices", "2", "--max-steps",
+    command = [sys.executable, "-m", "autoencoder.train", "--strategy", "ddp", "--accelerator", "cpu",
+               "--devices", "2", "--max-steps",
                "100", "--out", str(tmp_path / "run"), *args]
     return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -266,7 +272,8 @@ def test_a_nan_on_one_rank_stops_every_rank_and_keeps_the_last_good_checkpoint(t
 
 @pytest.mark.multiprocess
 def test_a_batch_larger_than_each_rank_share_is_one_line(tmp_path):
-    result = run(["-m", "autoencoder.train", "--strategy", "ddp", "--devices", "2", "--batch-size", "200",
+    result = run(["-m", "autoencoder.train", "--strategy", "ddp", "--accelerator", "cpu", "--devices", "2",
+                  "--batch-size", "200",
                   "--dataset", "fake", "--out", str(tmp_path / "run")], check=False, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "--batch-size 200 x 2 process(es) is more than the" in result.stderr

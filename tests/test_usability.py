@@ -103,7 +103,8 @@ def test_a_deepspeed_strategy_without_deepspeed_names_the_extra(tmp_path, monkey
     shim = tmp_path / "shim" / "deepspeed"
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("raise ImportError(\"No module named 'deepspeed' (simulated)\")\n")
-    result = run(["-m", "gan.train", "--strategy", "deepspeed_stage_3", "--devices", "2"], check=False,
+    result = run(["-m", "gan.train", "--strategy", "deepspeed_stage_3", "--accelerator", "cpu", "--devices", "2"],
+                 check=False,
                  env={"PYTHONPATH": f"{shim.parent}{os.pathsep}{ROOT}"})
     one_line_error(result, "deepspeed_stage_3", "pip install -e '.[deepspeed]'")
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # the Python API: one error, before any process starts
