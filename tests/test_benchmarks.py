@@ -22,6 +22,11 @@ def test_overhead_measures_every_variant(results):
     result = overhead.measure(blocks=2, steps=5)
     names = [row["variant"] for row in result["rows"]]
     assert names[:2] == ["plain", "core"]
+    paths = {}
+    for row in result["rows"]:
+        paths.setdefault(row["path"], []).append(row["variant"])
+    assert list(paths) == ["32-true", "bf16-mixed", "16-mixed", "ddp x2"]  # every path where core does work
+    assert all(variants[:2] == ["plain", "core"] for variants in paths.values())
     for row in result["rows"]:
         assert row["us_per_step"]["median"] > 0 and row["ratio"]["n"] == 2
     assert result["import"]["ratio"] > 0
