@@ -45,6 +45,7 @@ def test_encode_and_decode_compose_to_forward():
         AutoEncoder(image_size=30)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ddp_two_processes_equal_one_process_on_the_full_batch(tmp_path):
     common = ["-m", "autoencoder.train", "--dataset", "fake", "--max-steps", "5", "--width", "4", "--latent", "4"]

@@ -18,8 +18,9 @@ def results(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_overhead_measures_every_variant(results):
-    result = overhead.measure(blocks=2, steps=5)
+    result = overhead.measure(blocks=2, steps=5, import_repeats=1)
     names = [row["variant"] for row in result["rows"]]
     assert names[:2] == ["plain", "core"]
     paths = {}
@@ -60,6 +61,7 @@ def test_the_finite_difference_check_catches_a_wrong_meta_gradient(monkeypatch):
     assert not maml_speed._finite_difference_check(learner, batch)
 
 
+@pytest.mark.slow
 def test_parity_of_a_real_workload_on_one_process(monkeypatch):
     monkeypatch.setitem(WORKLOADS, "metalearn", dataclasses.replace(WORKLOADS["metalearn"], parity_steps=(30, 5)))
     row = parity.compare("metalearn", "single", repeats=1)
@@ -68,6 +70,7 @@ def test_parity_of_a_real_workload_on_one_process(monkeypatch):
     assert row["orders"] in ([["plain", "wrapped"]], [["wrapped", "plain"]])
 
 
+@pytest.mark.slow
 def test_the_a_a_row_runs_the_plain_script_twice_in_a_seeded_order(monkeypatch):
     monkeypatch.setitem(WORKLOADS, "metalearn", dataclasses.replace(WORKLOADS["metalearn"], parity_steps=(30, 5)))
     commands = []

@@ -236,6 +236,7 @@ def test_fsdp_refuses_an_optimizer_of_unsharded_parameters_and_clips(tmp_path):
     assert "fabric.setup(model, optimizer)" in result["error"] and result["norm"] > 0
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_resumes_on_one_process(tmp_path):
     """FSDP checkpoints hold full state dicts: a 2-process run resumes on 1 process, another strategy."""
     common = ["-m", "autoencoder.train", "--dataset", "fake", "--width", "4", "--batch-size", "8"]

@@ -72,6 +72,7 @@ def test_resume_continues_exactly(tmp_path):
     assert steps == [2, 4, 6, 8]  # each logged step once, across the resume
 
 
+@pytest.mark.slow
 def test_default_run_writes_the_run_directory_and_a_score(tmp_path):
     """The headline command on the embedded digits, shortened: every artefact and the score keys."""
     result = run(["-m", "gan.train", "--max-steps", "30", "--log-every", "10", "--sample-every", "15",
@@ -88,6 +89,7 @@ def test_default_run_writes_the_run_directory_and_a_score(tmp_path):
         assert (tmp_path / name).is_file(), name
 
 
+@pytest.mark.slow
 def test_the_score_puts_real_digits_at_the_floor_and_noise_and_one_class_far_from_it():
     """The scorer itself, on images whose score is known: real digits score near the real floor with all ten
     classes (entropy near ln 10), uniform noise far above it, 360 copies of one digit far above it with
@@ -111,6 +113,7 @@ def test_the_score_puts_real_digits_at_the_floor_and_noise_and_one_class_far_fro
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy, precision", [("ddp", "32-true"), ("fsdp", "32-true"), ("fsdp", "bf16-mixed"),
                                                  ("deepspeed_stage_2", "32-true"), ("deepspeed_stage_3", "32-true")])
+@pytest.mark.slow
 def test_gan_trains_under_every_strategy_on_two_processes(tmp_path, strategy, precision):
     if strategy.startswith("deepspeed"):
         pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
@@ -122,6 +125,7 @@ def test_gan_trains_under_every_strategy_on_two_processes(tmp_path, strategy, pr
     assert len(losses) == 2 and all(np.isfinite(losses))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_plain_variant_under_torchrun_equals_the_wrapped_one_under_ddp(tmp_path):
     """Several steps, so a G step that left DDP's reducer waiting for D gradients would fail the next one."""

@@ -184,6 +184,7 @@ def test_classification_run_reports_accuracy(tmp_path):
     assert 0 <= summary["test_accuracy"] <= 1 and summary["test_accuracy_ci95"] >= 0
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ddp_and_fsdp_meta_gradients_equal_one_process_on_the_whole_meta_batch(tmp_path):
     """25 tasks split 13 + 12 across two processes: the scaled sum keeps the gradient exact."""

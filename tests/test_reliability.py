@@ -55,6 +55,7 @@ def assert_bitwise_equal(a: dict, b: dict):
         assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, workload):
     reference = start(workload, tmp_path / "reference")
@@ -70,6 +71,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, workload):
     assert steps == sorted(set(steps))  # each step logged once across the crash
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigkill_then_resume_under_ddp(tmp_path):
     extra = ["--accelerator", "cpu", "--strategy", "ddp", "--devices", "2"]
