@@ -61,6 +61,13 @@ def load_full_optimizer(engine, state: dict) -> None:
     from deepspeed.utils import safe_set_full_optimizer_state
 
     zero, base = engine.optimizer, engine.optimizer.optimizer
+    groups = state["param_groups"]  # one per group of the engine's optimizer, or one for all its sub-groups (ZeRO-3)
+    if len(groups) == 1:
+        groups = groups * len(base.param_groups)
+    if len(groups) != len(base.param_groups):
+        raise checkpoint.CheckpointError(f"The checkpoint's optimizer has {len(groups)} parameter groups; this "
+                                         f"DeepSpeed engine splits them into {len(base.param_groups)}, which core "
+                                         f"cannot pair. Resume with the strategy that saved it.")
     if not base.state:
         if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3 puts each sub-group's partition in its group to step
             pairs = [(base.param_groups[zero.sub_group_to_group_id[i]], flat)
@@ -88,14 +95,7 @@ def load_full_optimizer(engine, state: dict) -> None:
     for flat_state in base.state.values():
         for k, value in scalars.items():
             flat_state[k] = value.clone() if torch.is_tensor(value) else value
-    groups = state["param_groups"]
-    for number, group in enumerate(base.param_groups):  # ZeRO-3 may split one group into sub-groups
-        saved = groups[min(number, len(groups) - 1)] if len(groups) == len(base.param_groups) or len(groups) == 1 \
-            else None
-        if saved is None:
-            raise checkpoint.CheckpointError(f"The checkpoint's optimizer has {len(groups)} parameter groups; this "
-                                             f"DeepSpeed engine splits them into {len(base.param_groups)}, which core "
-                                             f"cannot pair. Resume with the strategy that saved it.")
+    for group, saved in zip(base.param_groups, groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 
