@@ -15,8 +15,8 @@ from autoencoder.data import CHANNELS, load_splits, make_loader
 from autoencoder.model import AutoEncoder
 from autoencoder.report import evaluate, finish
 from common.config import cli
-from common.run import (Bookkeeping, RunDir, StopRequests, batches, check_resume_config, resume_path,
-                        write_config)
+from common.run import (Bookkeeping, RunDir, StopRequests, accumulated, check_resume_config, lr_scheduler,
+                        resume_path, write_config)
 from core import Fabric
 from core.cli import FabricFlags
 
@@ -36,10 +36,13 @@ def main(config: Config) -> dict:
     model = AutoEncoder(CHANNELS[config.dataset], config.latent, config.image_size, config.width)
     optimizer = torch.optim.Adam([{"params": model.encoder.parameters(), "lr": config.lr_encoder},
                                   {"params": model.decoder.parameters(), "lr": config.lr_decoder}])
-    model, optimizer = fabric.setup(model, optimizer)
+    scheduler = lr_scheduler(optimizer, config)
+    if config.compile:
+        model.compile()  # in place, so the state dict keeps its names; compiled at the first step
+    model, optimizer, scheduler = fabric.setup(model, optimizer, scheduler=scheduler)
     model.mark_forward_method("encode")  # model.encode(x) then runs through the strategy wrapper
 
-    state = {"model": model, "optimizer": optimizer, "step": 0}
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     if config.resume:
         check_resume_config(resume_path(config.resume), config)
         fabric.load(resume_path(config.resume), state)
@@ -47,15 +50,21 @@ def main(config: Config) -> dict:
     write_config(run, config)
 
     stop = StopRequests(device, fabric.all_reduce)  # signals and NaNs, all ranks together
-    loop = Bookkeeping(config, state, run, stop, "autoencoder", config.loggers(run.path, state["step"]))
+    loop = Bookkeeping(config, state, run, stop, "autoencoder", config.batch_size * world_size * config.accumulate,
+                       config.loggers(run.path, state["step"]))
     started = time.time()
-    for step, (images, _) in batches(loader, state["step"]):
+    for step, micro_batches in accumulated(loader, state["step"], config.accumulate):
         if step >= config.max_steps:
             break
-        loss = F.mse_loss(model(images), images)
         optimizer.zero_grad(set_to_none=True)
-        fabric.backward(loss)
+        loss = 0.0  # the mean over the step's examples: each micro-batch's mean, divided by their number
+        for i, (images, _) in enumerate(micro_batches):
+            with fabric.no_backward_sync(model, enabled=i < config.accumulate - 1):  # gradients sync once, at the last
+                micro_loss = F.mse_loss(model(images), images) / config.accumulate
+                fabric.backward(micro_loss)
+            loss = loss + micro_loss.detach()
         optimizer.step()
+        scheduler.step()
 
         if loop.end_step(step, loss, lambda: {"loss": loss.item()}):
             break

@@ -7,6 +7,7 @@
 """
 import os
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -18,8 +19,8 @@ from autoencoder.data import CHANNELS, load_splits, make_loader
 from autoencoder.model import AutoEncoder
 from autoencoder.report import evaluate, finish
 from common.config import cli
-from common.run import (Bookkeeping, RunDir, StopRequests, batches, check_resume_config, resume_path,
-                        write_config)
+from common.run import (Bookkeeping, RunDir, StopRequests, accumulated, check_resume_config, lr_scheduler,
+                        resume_path, write_config)
 from common.run import load_plain
 
 
@@ -42,10 +43,13 @@ def main(config: Config) -> dict:
     model = AutoEncoder(CHANNELS[config.dataset], config.latent, config.image_size, config.width).to(device)
     optimizer = torch.optim.Adam([{"params": model.encoder.parameters(), "lr": config.lr_encoder},
                                   {"params": model.decoder.parameters(), "lr": config.lr_decoder}])
+    scheduler = lr_scheduler(optimizer, config)
+    if config.compile:
+        model.compile()  # in place, so the state dict keeps its names; compiled at the first step
     if world_size > 1:
         model = DistributedDataParallel(model)
 
-    state = {"model": model, "optimizer": optimizer, "step": 0}
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     if config.resume:
         check_resume_config(resume_path(config.resume), config)
         load_plain(resume_path(config.resume), state, device)
@@ -53,16 +57,21 @@ def main(config: Config) -> dict:
     write_config(run, config)
 
     stop = StopRequests(device, dist.all_reduce if world_size > 1 else None)  # signals and NaNs, all ranks together
-    loop = Bookkeeping(config, state, run, stop, "autoencoder")
+    loop = Bookkeeping(config, state, run, stop, "autoencoder", config.batch_size * world_size * config.accumulate)
     started = time.time()
-    for step, (images, _) in batches(loader, state["step"]):
+    for step, micro_batches in accumulated(loader, state["step"], config.accumulate):
         if step >= config.max_steps:
             break
-        images = images.to(device, non_blocking=True)  # from pinned memory: the copy overlaps the next work
-        loss = F.mse_loss(model(images), images)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = 0.0  # the mean over the step's examples: each micro-batch's mean, divided by their number
+        for i, (images, _) in enumerate(micro_batches):
+            with model.no_sync() if world_size > 1 and i < config.accumulate - 1 else nullcontext():  # sync at the last
+                images = images.to(device, non_blocking=True)  # from pinned memory: the copy overlaps the next work
+                micro_loss = F.mse_loss(model(images), images) / config.accumulate
+                micro_loss.backward()
+            loss = loss + micro_loss.detach()
         optimizer.step()
+        scheduler.step()
 
         if loop.end_step(step, loss, lambda: {"loss": loss.item()}):
             break

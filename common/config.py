@@ -112,11 +112,22 @@ class RunConfig:
     download: bool = flag(False, "download the dataset into --data-root if it is missing (needs internet)")
     num_workers: int = flag(0, "DataLoader worker processes")
     log_every: int = flag(50, "write metrics every N steps")
+    accumulate: int = flag(1, "micro-batches of --batch-size per optimizer step (gradient accumulation): the same "
+                              "update as one batch N times larger, with the activation memory of one micro-batch")
+    lr_schedule: str = flag("constant", "learning rate over the run: constant, or cosine (a linear warm-up over "
+                                        "--warmup-steps, then a cosine decay to 0 at --max-steps)",
+                            choices=("constant", "cosine"))
+    warmup_steps: int = flag(0, "steps of linear learning-rate warm-up (with --lr-schedule cosine)")
+    compile: bool = flag(False, "torch.compile the models (the first steps compile: tens of seconds)")
 
     def check(self):
-        for name in ("max_steps", "batch_size"):
+        for name in ("max_steps", "batch_size", "accumulate"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("checkpoint_every", "num_workers", "log_every"):
+        for name in ("checkpoint_every", "num_workers", "log_every", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.warmup_steps and self.lr_schedule == "constant":
+            raise ValueError("--warmup-steps is part of --lr-schedule cosine; pass --lr-schedule cosine too")
+        if self.warmup_steps >= self.max_steps:
+            raise ValueError(f"--warmup-steps ({self.warmup_steps}) must be less than --max-steps ({self.max_steps})")

@@ -7,6 +7,7 @@ run resumed at step s sees exactly the batches an uninterrupted run would have s
 import dataclasses
 import itertools
 import json
+import math
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ from tqdm import tqdm
 
 # Fields that do not change what is computed: they may differ between a run and its resume.
 RESUMABLE_CHANGES = {"out", "resume", "max_steps", "checkpoint_every", "log_every", "num_workers", "data_root",
-                     "download", "devices", "num_nodes", "strategy", "accelerator"}
+                     "download", "devices", "num_nodes", "strategy", "accelerator", "compile", "eval_every"}
 
 
 class RunDir:
@@ -145,6 +146,9 @@ def check_resume_config(checkpoint: Path, config) -> None:
     current = dataclasses.asdict(config)
     differ = [f"{key} (checkpoint {saved[key]!r}, now {current[key]!r})" for key in current
               if key in saved and key not in RESUMABLE_CHANGES and saved[key] != current[key]]
+    if saved.get("lr_schedule") == "cosine" and saved.get("max_steps") != current["max_steps"]:
+        differ.append(f"max_steps (checkpoint {saved['max_steps']!r}, now {current['max_steps']!r}), where the "
+                      f"cosine schedule ends")
     if differ:
         raise ValueError("cannot resume: the checkpoint's run used other settings for " + ", ".join(differ) +
                          ". Pass the same flags, or start a new run.")
@@ -164,6 +168,29 @@ def batches(loader, start_step: int = 0):
             yield step, batch
             step += 1
         skip = 0
+
+
+def accumulated(loader, start_step: int, micro_batches: int):
+    """Yield (step, [batch, ...]) without end: `micro_batches` consecutive batches of `batches` per step, so
+    that a step of N micro-batches of size B sees exactly the examples of one batch of size N * B."""
+    stream = batches(loader, start_step * micro_batches)
+    for step in itertools.count(start_step):
+        yield step, [batch for _, batch in itertools.islice(stream, micro_batches)]
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, config) -> torch.optim.lr_scheduler.LambdaLR:
+    """--lr-schedule as a scheduler stepped once per optimizer step: a factor 1 (constant), or a linear warm-up
+    from 1/(W+1) to 1 over W = --warmup-steps steps, then a cosine from 1 to 0 at --max-steps (cosine)."""
+    warmup, total = config.warmup_steps, config.max_steps
+
+    def factor(step: int) -> float:
+        if config.lr_schedule == "constant":
+            return 1.0
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        return 0.5 * (1 + math.cos(math.pi * min(step - warmup, total - warmup) / (total - warmup)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 class StopRequests:
@@ -256,7 +283,7 @@ class Bookkeeping:
     together whether to stop (`stop`, a StopRequests), and check the weights before each checkpoint. The
     loop itself (data, forward, backward, optimizer steps) and the saving stay in the script:
 
-        loop = Bookkeeping(config, state, run, stop, "gan")
+        loop = Bookkeeping(config, state, run, stop, "gan", config.batch_size * world_size)
         for step, batch in batches(loader, state["step"]):
             ...                                                  # the training step
             if loop.end_step(step, loss, lambda: {"loss": loss.item()}):
@@ -269,11 +296,16 @@ class Bookkeeping:
             return stop.report(run, state["step"])
     """
 
-    def __init__(self, config, state: dict, run: RunDir, stop: StopRequests, name: str, loggers=()):
-        """`loggers`: objects with Lightning's `log_metrics(metrics, step)` and `finalize(status)` (the wrapped
-        scripts pass core.loggers'), which get every record that goes to metrics.jsonl."""
+    def __init__(self, config, state: dict, run: RunDir, stop: StopRequests, name: str, examples_per_step: int,
+                 loggers=()):
+        """`examples_per_step`: what one step trains on across all processes (images, or tasks for MAML), for
+        the throughput in each record. `loggers`: objects with Lightning's `log_metrics(metrics, step)` and
+        `finalize(status)` (the wrapped scripts pass core.loggers'), which get every record that goes to
+        metrics.jsonl."""
         self.config, self.state, self.run, self.stop, self.loggers = config, state, run, stop, list(loggers)
+        self.examples_per_step = examples_per_step
         self.progress = tqdm(total=config.max_steps, initial=state["step"], disable=not run.write, desc=name)
+        self._since = (state["step"], time.perf_counter())  # the last log step and its time
 
     def end_step(self, step: int, loss: torch.Tensor, metrics) -> bool:
         """After step `step`: True when the ranks agreed to stop (save, then `stop.report`). On log steps
@@ -284,11 +316,22 @@ class Bookkeeping:
         log = self.state["step"] % self.config.log_every == 0 or self.state["step"] == self.config.max_steps
         stopping = self.stop.check(step, loss if log else None, self.run.checkpoint)
         if log:
-            record = metrics()
+            record = {**metrics(), **self._throughput()}  # after metrics(): its .item() waits for the device
             self.run.log({"step": self.state["step"], **record})
             for logger in self.loggers:
                 logger.log_metrics(record, step=self.state["step"])
         return stopping
+
+    def _throughput(self) -> dict:
+        """Examples per second since the last log step (wall time: everything the loop did in between), and on
+        CUDA the peak memory the allocator has held so far."""
+        (last_step, last_time), now = self._since, time.perf_counter()
+        self._since = (self.state["step"], now)
+        record = {"examples_per_s": round((self.state["step"] - last_step) * self.examples_per_step
+                                          / max(now - last_time, 1e-9), 1)}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            record["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        return record
 
     def checkpoint_due(self) -> bool:
         """True every `checkpoint_every` steps, once the weights are checked (a FloatingPointError if any is

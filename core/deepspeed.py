@@ -24,7 +24,7 @@ allowed DeepSpeed and Python types, so a file carrying anything else is refused 
 import copy
 import json
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from core import checkpoint, deepspeed_checkpoint
@@ -77,6 +77,8 @@ class DeepSpeed(DDP):
         config.setdefault("zero_force_ds_cpu_optimizer", False)
         config.setdefault("train_micro_batch_size_per_gpu", 1)  # batches are ours; this only feeds its logs
         config.setdefault("gradient_accumulation_steps", 1)
+        # every engine.step is the accumulation boundary, however many backwards came before it (no_backward_sync)
+        config.setdefault("managed_gradient_accumulation", False)
         config.setdefault("zero_allow_untested_optimizer", True)
         config.setdefault("steps_per_print", 2**31)
         for key, value in self.precision.deepspeed_config().items():
@@ -122,8 +124,7 @@ class DeepSpeed(DDP):
         module._forward_module.step()
 
     def no_backward_sync(self, module):
-        raise RuntimeError("no_backward_sync is not available with DeepSpeed: set gradient_accumulation_steps "
-                           "in the DeepSpeed config and call backward and step every micro-batch instead.")
+        return nullcontext()  # the engine accumulates every backward locally and reduces in its step
 
     def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0):
         # ZeRO moves gradients into its partitions during backward and clips them inside engine.step

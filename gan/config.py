@@ -17,3 +17,10 @@ class Config(RunConfig):
     beta1: float = flag(0.5, "Adam beta1 of both models")
     sample_every: int = flag(250, "save a sample grid every N steps")
     eval_samples: int = flag(360, "generated images for the score (the digits held-out size)")
+
+    def check(self):
+        super().check()
+        if self.accumulate > 1:
+            raise ValueError("--accumulate: the GAN's BatchNorm layers normalise each micro-batch by its own "
+                             "statistics, so N micro-batches would not train like one batch N times larger; "
+                             "raise --batch-size instead")

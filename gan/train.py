@@ -54,7 +54,8 @@ def main(config: Config) -> dict:
 
     fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(1)).to(device)
     stop = StopRequests(device, fabric.all_reduce)  # signals and NaNs, all ranks together
-    loop = Bookkeeping(config, state, run, stop, "gan", config.loggers(run.path, state["step"]))
+    loop = Bookkeeping(config, state, run, stop, "gan", config.batch_size * world_size,
+                       config.loggers(run.path, state["step"]))
     started = time.time()
     for step, (real, _) in batches(loader, state["step"]):
         if step >= config.max_steps:

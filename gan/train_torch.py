@@ -60,7 +60,7 @@ def main(config: Config) -> dict:
 
     fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(1)).to(device)
     stop = StopRequests(device, dist.all_reduce if world_size > 1 else None)  # signals and NaNs, all ranks together
-    loop = Bookkeeping(config, state, run, stop, "gan")
+    loop = Bookkeeping(config, state, run, stop, "gan", config.batch_size * world_size)
     started = time.time()
     for step, (real, _) in batches(loader, state["step"]):
         if step >= config.max_steps:

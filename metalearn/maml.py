@@ -71,6 +71,7 @@ class MetaLearner(nn.Module):
         return vmap(query_loss)(support_x, support_y, query_x, query_y)
 
     @torch.no_grad()
+    @torch.compiler.disable  # a compiled learner (--compile) runs this eagerly: each step count would recompile
     def evaluate(self, support_x, support_y, query_x, query_y, steps: int):
         """Per-task query outputs and losses after `steps` inner updates (no meta-gradient)."""
         params = {name: p.detach() for name, p in self.model.named_parameters()}

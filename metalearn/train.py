@@ -10,8 +10,8 @@ import time
 import torch
 
 from common.config import cli
-from common.run import (Bookkeeping, RunDir, StopRequests, check_resume_config, resume_path, step_generator,
-                        write_config)
+from common.run import (Bookkeeping, RunDir, StopRequests, check_resume_config, lr_scheduler, resume_path,
+                        step_generator, write_config)
 from core import Fabric
 from core.cli import FabricFlags
 from metalearn.config import Config
@@ -35,10 +35,13 @@ def main(config: Config) -> dict:
     learner = MetaLearner(model, loss_function(config.dataset), config.inner_lr, config.inner_steps,
                           config.first_order, config.learn_inner_lr)
     optimizer = torch.optim.Adam(learner.parameters(), lr=config.lr)
-    learner, optimizer = fabric.setup(learner, optimizer)
+    scheduler = lr_scheduler(optimizer, config)
+    if config.compile:
+        learner.compile()  # in place, so the state dict keeps its names; compiled at the first step
+    learner, optimizer, scheduler = fabric.setup(learner, optimizer, scheduler=scheduler)
     learner.mark_forward_method("evaluate")  # evaluation also runs through the strategy wrapper
 
-    state = {"learner": learner, "optimizer": optimizer, "step": 0}
+    state = {"learner": learner, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     if config.resume:
         check_resume_config(resume_path(config.resume), config)
         fabric.load(resume_path(config.resume), state)
@@ -46,20 +49,26 @@ def main(config: Config) -> dict:
     write_config(run, config)
 
     stop = StopRequests(device, fabric.all_reduce)  # signals and NaNs, all ranks together
-    loop = Bookkeeping(config, state, run, stop, "metalearn", config.loggers(run.path, state["step"]))
+    loop = Bookkeeping(config, state, run, stop, "metalearn", config.batch_size * config.accumulate,
+                       config.loggers(run.path, state["step"]))
     started = time.time()
+    tasks_per_step = config.batch_size * config.accumulate
     for step in range(state["step"], config.max_steps):
         # every rank draws the whole meta-batch from (seed, step) and keeps its own share of the tasks
         generator = step_generator(config.seed, 0, step)
-        meta_batch = tasks.sample(config.batch_size, config.shots, config.queries, generator)
-        support_x, support_y, query_x, query_y = (t.tensor_split(world_size)[rank].to(device)
-                                                  for t in meta_batch)
-        # the sum over this rank's tasks, scaled so that the gradient averaged across ranks is the
-        # gradient of the mean over the whole meta-batch, however unevenly it splits
-        loss = learner(support_x, support_y, query_x, query_y).sum() * world_size / config.batch_size
+        meta_batch = tasks.sample(tasks_per_step, config.shots, config.queries, generator)
+        share = [t.tensor_split(world_size)[rank].to(device) for t in meta_batch]
         optimizer.zero_grad(set_to_none=True)
-        fabric.backward(loss)
+        loss = 0.0
+        for i, micro_batch in enumerate(zip(*(t.tensor_split(config.accumulate) for t in share))):
+            with fabric.no_backward_sync(learner, enabled=i < config.accumulate - 1):
+                # the sum over these tasks, scaled so that the gradient summed over micro-batches and averaged
+                # across ranks is the gradient of the mean over the whole meta-batch, however unevenly it splits
+                micro_loss = learner(*micro_batch).sum() * world_size / tasks_per_step
+                fabric.backward(micro_loss)
+            loss = loss + micro_loss.detach()
         optimizer.step()
+        scheduler.step()
 
         if loop.end_step(step, loss, lambda: {"loss": loss.item()}):
             break

@@ -351,7 +351,7 @@ def test_signals_act_at_once_again_after_the_loop(tmp_path):
 def bookkeeping(tmp_path, stop=None, **config):
     state = {"step": 0, "model": torch.nn.Linear(2, 1)}
     run = RunDir(str(tmp_path / "run"), "test")
-    return Bookkeeping(RunConfig(**config), state, run, stop or StopRequests(), "test"), state, run
+    return Bookkeeping(RunConfig(**config), state, run, stop or StopRequests(), "test", 4), state, run
 
 
 def test_bookkeeping_logs_every_log_step_and_the_last_and_checkpoints_every_n(tmp_path):
