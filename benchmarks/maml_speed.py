@@ -1,5 +1,6 @@
 """MAML meta-iterations per second on sinusoid tasks (40-40 ReLU MLP, 1 inner step, alpha 0.01, 25 tasks):
-the vectorised torch.func learner, a per-task `autograd.grad(create_graph=True)` loop (the reference: what
+the vectorised torch.func learner (eager, and compiled by torch.compile as `--compile` does; its
+compilation falls in the warm-up repeat), a per-task `autograd.grad(create_graph=True)` loop (the reference: what
 plain PyTorch without torch.func does) and, when installed, a per-task loop written with `higher`. Two
 setups: the paper's (K=10 support, 10 query points per task) and the default `python -m metalearn.train`
 (metalearn/config.py: 100 query points). Before timing, in float64, the loop's meta-gradient is checked
@@ -71,10 +72,18 @@ def _finite_difference_check(learner, batch, coordinates: int = 12, eps: float =
 
 
 LOOP = "per-task autograd loop"
+COMPILED = "vmap + torch.compile"
+_compiled = {}  # id(learner) -> torch.compile(learner), compiled once per learner (in the warm-up)
+
+
+def _vmap_compiled(learner, batch):  # what `python -m metalearn.train --compile` runs
+    if id(learner) not in _compiled:
+        _compiled[id(learner)] = torch.compile(learner)
+    _vmap(_compiled[id(learner)], batch)
 
 
 def measure_setup(tasks: int, shots: int, queries: int, iterations: int, repeats: int, seed: int = 0) -> dict:
-    methods = {LOOP: _autograd_loop, "vmap (torch.func)": _vmap}
+    methods = {LOOP: _autograd_loop, "vmap (torch.func)": _vmap, COMPILED: _vmap_compiled}
     try:
         import higher  # noqa: F401
         methods["per-task higher loop"] = _higher_loop

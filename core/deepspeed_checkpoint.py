@@ -157,7 +157,7 @@ def _merge_partitions(folder: Path, z) -> tuple[dict, dict]:
     groups = sorted(base[0]["state"])
     names = [list(shapes) for shapes in states[0].param_shapes]
     per_param = {name: {} for group in names for name in group}
-    for k, value in base[0]["state"][groups[0]].items():
+    for k, value in base[0]["state"][groups[0]].items() if groups else ():  # plain SGD keeps no state
         if torch.is_tensor(value) and value.dim() > 0:  # laid out like the flat weights: merged like them
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 full = merge([[b["state"][g][k] for g in groups] for b in base])
