@@ -43,6 +43,11 @@ class RunDir:
     def checkpoint(self) -> Path:
         return self.path / "checkpoints" / "last.ckpt"
 
+    @property
+    def best_checkpoint(self) -> Path:
+        """The checkpoint of the best evaluation so far (the workloads that evaluate during training)."""
+        return self.path / "checkpoints" / "best.ckpt"
+
     def log(self, record: dict) -> None:
         """Append one record, stamped with the seconds since the run (or its resume) started."""
         if self.write:
@@ -87,10 +92,11 @@ class RunDir:
             with open(self.path / "metrics.jsonl", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
 
-    def save_plain(self, state: dict) -> None:
-        """The plain variant's checkpoint of `state`, written by rank 0 (the process that writes the run)."""
+    def save_plain(self, state: dict, path: Path | None = None) -> None:
+        """The plain variant's checkpoint of `state` (at `path`, default last.ckpt), written by rank 0 (the
+        process that writes the run)."""
         if self.write:
-            save_plain(self.checkpoint, state)
+            save_plain(path or self.checkpoint, state)
 
     def plot_losses(self, keys, name: str = "losses.png") -> None:
         if not self.write:

@@ -17,6 +17,10 @@ class Config(RunConfig):
     beta1: float = flag(0.5, "Adam beta1 of both models")
     sample_every: int = flag(250, "save a sample grid every N steps")
     eval_samples: int = flag(360, "generated images for the score (the digits held-out size)")
+    ema_decay: float = flag(0.999, "decay of the exponential moving average of the generator's weights, which is "
+                                   "scored beside the raw generator (0: no average)")
+    eval_every: int = flag(0, "score the (average) generator every N steps, keeping checkpoints/best.ckpt at the "
+                              "lowest FID (0: only at the end)")
 
     def check(self):
         super().check()
@@ -24,3 +28,9 @@ class Config(RunConfig):
             raise ValueError("--accumulate: the GAN's BatchNorm layers normalise each micro-batch by its own "
                              "statistics, so N micro-batches would not train like one batch N times larger; "
                              "raise --batch-size instead")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"--ema-decay must be in [0, 1) (0 turns the average off), got {self.ema_decay}")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
+        if self.eval_every and self.dataset == "fake":
+            raise ValueError("--eval-every: fake data has no classes to score against; pass --eval-every 0")

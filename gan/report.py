@@ -1,6 +1,7 @@
 """What a GAN run leaves behind: sample grids, the score, the summary and the loss plot."""
 import dataclasses
 import time
+from contextlib import nullcontext
 
 import torch
 from torchvision.utils import save_image
@@ -16,23 +17,58 @@ def save_samples(run, images: torch.Tensor, step: int) -> None:
                    value_range=(-1, 1))
 
 
-def finish(run, config, generated: torch.Tensor, started: float, steps: int) -> dict:
-    """Score the generated images against the real ones and write summary.json (rank 0 only)."""
+@torch.no_grad()
+def generate(generator, noise: torch.Tensor, ema=None) -> torch.Tensor:
+    """Images from `noise` in eval mode (BatchNorm's running statistics), with `ema`'s average weights swapped
+    in when given. Every process must call it: under fsdp and deepspeed the generator's forward is collective."""
+    generator.eval()
+    with ema.swapped_in() if ema is not None else nullcontext():
+        images = generator(noise)
+    generator.train()
+    return images
+
+
+def _score(config, generated: torch.Tensor) -> dict:
+    train_set = load_images(config.dataset, config.data_root, config.image_size)
+    test_set = load_images(config.dataset, config.data_root, config.image_size, train=False)
+    return score(generated.float().cpu(), train_set, test_set, config.dataset, config.image_size)
+
+
+def evaluate(run, config, generated: torch.Tensor, step: int) -> float | None:
+    """During training: score `generated` on rank 0 and log it; its FID there, None on the other ranks."""
+    if not run.write:
+        return None
+    metrics = _score(config, generated)
+    run.log({"step": step, "eval_fid_classifier": metrics["fid_classifier"],
+             "eval_class_entropy": metrics["class_entropy"]})
+    return metrics["fid_classifier"]
+
+
+def finish(run, config, generated: torch.Tensor, started: float, steps: int, raw: torch.Tensor | None = None,
+           best: dict | None = None) -> dict:
+    """Score the generated images against the real ones and write summary.json (rank 0 only). `generated`
+    comes from the EMA generator when there is one, and `raw` from the raw generator, scored as raw_*; `best`:
+    the best evaluation during training ({"best_step": ..., "best_fid_classifier": ...})."""
     if not run.write:
         return {}
     if config.dataset == "fake":  # noise has no classes to score against
         metrics = {}
     else:
-        train_set = load_images(config.dataset, config.data_root, config.image_size)
-        test_set = load_images(config.dataset, config.data_root, config.image_size, train=False)
-        metrics = score(generated.float().cpu(), train_set, test_set, config.dataset, config.image_size)
-    summary = {**metrics, "steps": steps, "train_seconds": round(time.time() - started, 1), **run.resources(),
-               "config": dataclasses.asdict(config)}
+        metrics = _score(config, generated)
+        if raw is not None:
+            raw_metrics = _score(config, raw)
+            metrics.update(raw_fid_classifier=raw_metrics["fid_classifier"],
+                           raw_class_entropy=raw_metrics["class_entropy"])
+    summary = {**metrics, **(best or {}), "steps": steps, "train_seconds": round(time.time() - started, 1),
+               **run.resources(), "config": dataclasses.asdict(config)}
     run.write_json("summary.json", summary)
     run.plot_losses(["loss_d", "loss_g"])
     if metrics:
         quality = (f"classifier FID: {summary['fid_classifier']:.2f} (real floor {summary['fid_real_floor']:.2f}, "
                    f"noise {summary['fid_noise']:.1f})  class entropy: {summary['class_entropy']:.3f} of 2.303")
+        if raw is not None:
+            quality = (f"EMA generator {quality}; raw generator FID {summary['raw_fid_classifier']:.2f}, "
+                       f"class entropy {summary['raw_class_entropy']:.3f}")
     else:
         quality = "not scored: fake data has no classes to score against"
     print(f"Run directory: {run.path}  samples: {run.path / 'samples'}  {quality}")

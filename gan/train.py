@@ -12,14 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from common.config import cli
-from common.run import (Bookkeeping, RunDir, StopRequests, batches, check_resume_config, resume_path, step_generator,
-                        write_config)
+from common.ema import EMA
+from common.run import (Bookkeeping, RunDir, StopRequests, batches, check_resume_config, lr_scheduler, resume_path,
+                        step_generator, write_config)
 from core import Fabric
 from core.cli import FabricFlags
 from gan.config import Config
 from gan.data import CHANNELS, load_images, make_loader
 from gan.model import Discriminator, Generator
-from gan.report import finish, save_samples
+from gan.report import evaluate, finish, generate, save_samples
 
 
 def main(config: Config) -> dict:
@@ -39,13 +40,20 @@ def main(config: Config) -> dict:
     discriminator = Discriminator(config.ndf, channels, config.image_size)
     optimizer_g = torch.optim.Adam(generator.parameters(), lr=config.lr, betas=(config.beta1, 0.999))
     optimizer_d = torch.optim.Adam(discriminator.parameters(), lr=config.lr, betas=(config.beta1, 0.999))
-    generator, optimizer_g = fabric.setup(generator, optimizer_g)
+    scheduler_g, scheduler_d = lr_scheduler(optimizer_g, config), lr_scheduler(optimizer_d, config)
+    if config.compile:
+        generator.compile()  # in place, so the state dicts keep their names; compiled at the first step
+        discriminator.compile()
+    generator, optimizer_g, scheduler_g = fabric.setup(generator, optimizer_g, scheduler=scheduler_g)
     # D runs on real and on fake images before one backward; a buffer broadcast in the second
     # forward would overwrite BatchNorm statistics saved for that backward, so keep buffers local.
-    discriminator, optimizer_d = fabric.setup(discriminator, optimizer_d, ddp={"broadcast_buffers": False})
+    discriminator, optimizer_d, scheduler_d = fabric.setup(discriminator, optimizer_d, scheduler=scheduler_d,
+                                                           ddp={"broadcast_buffers": False})
+    ema = EMA(generator, config.ema_decay, fabric.all_gather, rank)  # G's average weights, on each rank's shards
 
     state = {"generator": generator, "discriminator": discriminator, "optimizer_g": optimizer_g,
-             "optimizer_d": optimizer_d, "step": 0}
+             "optimizer_d": optimizer_d, "scheduler_g": scheduler_g, "scheduler_d": scheduler_d, "ema": ema,
+             "best_fid": float("inf"), "best_step": 0, "step": 0}
     if config.resume:
         check_resume_config(resume_path(config.resume), config)
         fabric.load(resume_path(config.resume), state)
@@ -53,6 +61,8 @@ def main(config: Config) -> dict:
     write_config(run, config)
 
     fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(1)).to(device)
+    eval_noise = torch.randn(config.eval_samples, config.nz, 1, 1, generator=torch.Generator().manual_seed(1))
+    eval_noise = eval_noise.to(device)
     stop = StopRequests(device, fabric.all_reduce)  # signals and NaNs, all ranks together
     loop = Bookkeeping(config, state, run, stop, "gan", config.batch_size * world_size,
                        config.loggers(run.path, state["step"]))
@@ -71,6 +81,7 @@ def main(config: Config) -> dict:
         optimizer_d.zero_grad(set_to_none=True)
         fabric.backward(loss_d)
         optimizer_d.step()
+        scheduler_d.step()
 
         # (2) Update G: maximize log D(G(z)); D is a fixed function here: no D gradients, no D all-reduce
         with fabric.frozen(discriminator):
@@ -79,6 +90,8 @@ def main(config: Config) -> dict:
         optimizer_g.zero_grad(set_to_none=True)
         fabric.backward(loss_g)
         optimizer_g.step()
+        scheduler_g.step()
+        ema.update()
 
         if loop.end_step(step, loss_d + loss_g, lambda: {"loss_d": loss_d.item(), "loss_g": loss_g.item(),
                                                          "d_real": torch.sigmoid(logits_real).mean().item(),
@@ -87,6 +100,11 @@ def main(config: Config) -> dict:
         if state["step"] % config.sample_every == 0:
             with torch.no_grad():
                 save_samples(run, generator(fixed_noise), state["step"])
+        if config.eval_every and state["step"] % config.eval_every == 0:  # every rank generates, rank 0 scores
+            fid = fabric.broadcast(evaluate(run, config, generate(generator, eval_noise, ema), state["step"]))
+            if fid < state["best_fid"]:  # rank 0's score: every rank takes the same decision
+                state.update(best_fid=fid, best_step=state["step"])
+                fabric.save(run.best_checkpoint, state)
         if loop.checkpoint_due():
             fabric.save(run.checkpoint, state)
     loop.close()
@@ -94,12 +112,11 @@ def main(config: Config) -> dict:
     if stop.reason:
         return stop.report(run, state["step"])
 
-    generator.eval()
-    with torch.no_grad():
-        eval_noise = torch.randn(config.eval_samples, config.nz, 1, 1, generator=torch.Generator().manual_seed(1))
-        generated = generator(eval_noise.to(device))
-        save_samples(run, generator(fixed_noise), state["step"])
-    summary = finish(run, config, generated, started, state["step"])
+    generated, samples = generate(generator, eval_noise, ema), generate(generator, fixed_noise, ema)
+    save_samples(run, samples, state["step"])
+    raw = generate(generator, eval_noise) if config.ema_decay else None  # scored beside the average as raw_*
+    best = {"best_step": state["best_step"], "best_fid_classifier": state["best_fid"]} if config.eval_every else None
+    summary = finish(run, config, generated, started, state["step"], raw, best)
     return summary
 
 

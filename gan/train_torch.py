@@ -14,13 +14,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from common.config import cli
-from common.run import (Bookkeeping, RunDir, StopRequests, batches, check_resume_config, resume_path, step_generator,
-                        write_config)
+from common.ema import EMA
+from common.run import (Bookkeeping, RunDir, StopRequests, batches, check_resume_config, lr_scheduler, resume_path,
+                        step_generator, write_config)
 from common.run import load_plain
 from gan.config import Config
 from gan.data import CHANNELS, load_images, make_loader
 from gan.model import Discriminator, Generator
-from gan.report import finish, save_samples
+from gan.report import evaluate, finish, generate, save_samples
 
 
 def main(config: Config) -> dict:
@@ -44,14 +45,20 @@ def main(config: Config) -> dict:
     discriminator = Discriminator(config.ndf, channels, config.image_size).to(device)
     optimizer_g = torch.optim.Adam(generator.parameters(), lr=config.lr, betas=(config.beta1, 0.999))
     optimizer_d = torch.optim.Adam(discriminator.parameters(), lr=config.lr, betas=(config.beta1, 0.999))
+    scheduler_g, scheduler_d = lr_scheduler(optimizer_g, config), lr_scheduler(optimizer_d, config)
+    if config.compile:
+        generator.compile()  # in place, so the state dicts keep their names; compiled at the first step
+        discriminator.compile()
     if world_size > 1:
         generator = DistributedDataParallel(generator)
         # D runs on real and on fake images before one backward; a buffer broadcast in the second
         # forward would overwrite BatchNorm statistics saved for that backward, so keep buffers local.
         discriminator = DistributedDataParallel(discriminator, broadcast_buffers=False)
+    ema = EMA(getattr(generator, "module", generator), config.ema_decay)  # G's average weights
 
     state = {"generator": generator, "discriminator": discriminator, "optimizer_g": optimizer_g,
-             "optimizer_d": optimizer_d, "step": 0}
+             "optimizer_d": optimizer_d, "scheduler_g": scheduler_g, "scheduler_d": scheduler_d, "ema": ema,
+             "best_fid": float("inf"), "best_step": 0, "step": 0}
     if config.resume:
         check_resume_config(resume_path(config.resume), config)
         load_plain(resume_path(config.resume), state, device)
@@ -59,6 +66,8 @@ def main(config: Config) -> dict:
     write_config(run, config)
 
     fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(1)).to(device)
+    eval_noise = torch.randn(config.eval_samples, config.nz, 1, 1, generator=torch.Generator().manual_seed(1))
+    eval_noise = eval_noise.to(device)
     stop = StopRequests(device, dist.all_reduce if world_size > 1 else None)  # signals and NaNs, all ranks together
     loop = Bookkeeping(config, state, run, stop, "gan", config.batch_size * world_size)
     started = time.time()
@@ -77,6 +86,7 @@ def main(config: Config) -> dict:
         optimizer_d.zero_grad(set_to_none=True)
         loss_d.backward()
         optimizer_d.step()
+        scheduler_d.step()
 
         # (2) Update G: maximize log D(G(z)); D is a fixed function here: no D gradients, no D all-reduce.
         # D's parameters are frozen, and under DDP D is called through .module, as fabric.frozen does: DDP's
@@ -89,6 +99,8 @@ def main(config: Config) -> dict:
         optimizer_g.zero_grad(set_to_none=True)
         loss_g.backward()
         optimizer_g.step()
+        scheduler_g.step()
+        ema.update()
 
         if loop.end_step(step, loss_d + loss_g, lambda: {"loss_d": loss_d.item(), "loss_g": loss_g.item(),
                                                          "d_real": torch.sigmoid(logits_real).mean().item(),
@@ -97,6 +109,13 @@ def main(config: Config) -> dict:
         if state["step"] % config.sample_every == 0:
             with torch.no_grad():
                 save_samples(run, generator(fixed_noise), state["step"])
+        if config.eval_every and state["step"] % config.eval_every == 0:  # every rank generates, rank 0 scores
+            fid = [evaluate(run, config, generate(generator, eval_noise, ema), state["step"])]
+            if world_size > 1:
+                dist.broadcast_object_list(fid)
+            if fid[0] < state["best_fid"]:  # rank 0's score: every rank takes the same decision
+                state.update(best_fid=fid[0], best_step=state["step"])
+                run.save_plain(state, run.best_checkpoint)
         if loop.checkpoint_due():
             run.save_plain(state)
     loop.close()
@@ -104,12 +123,11 @@ def main(config: Config) -> dict:
     if stop.reason:
         return stop.report(run, state["step"])
 
-    generator.eval()
-    with torch.no_grad():
-        eval_noise = torch.randn(config.eval_samples, config.nz, 1, 1, generator=torch.Generator().manual_seed(1))
-        generated = generator(eval_noise.to(device))
-        save_samples(run, generator(fixed_noise), state["step"])
-    summary = finish(run, config, generated, started, state["step"])
+    generated, samples = generate(generator, eval_noise, ema), generate(generator, fixed_noise, ema)
+    save_samples(run, samples, state["step"])
+    raw = generate(generator, eval_noise) if config.ema_decay else None  # scored beside the average as raw_*
+    best = {"best_step": state["best_step"], "best_fid_classifier": state["best_fid"]} if config.eval_every else None
+    summary = finish(run, config, generated, started, state["step"], raw, best)
     if world_size > 1:
         dist.destroy_process_group()
     return summary

@@ -13,8 +13,9 @@ from benchmarks.workloads import WORKLOADS
 ROOT = Path(__file__).resolve().parent.parent
 # changed lines, comments and blanks stripped. Each plain script picks and sets its rank's GPU in 4 lines
 # where core does it in Fabric; gan's plain G step freezes D and calls it outside DDP in 4 lines where core's
-# is 2 (fabric.frozen), so both variants do the same work
-BUDGETS = {"gan": 60, "autoencoder": 48, "metalearn": 49}
+# is 2 (fabric.frozen), so both variants do the same work;
+# gan's EMA (the DDP-unwrapped G vs the set-up one) and --eval-every (broadcast of the score, best.ckpt) add 13
+BUDGETS = {"gan": 74, "autoencoder": 48, "metalearn": 49}
 
 
 def code_lines(path: Path) -> list[str]:

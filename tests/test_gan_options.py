@@ -1,0 +1,150 @@
+"""The GAN's options: --ema-decay (the average against its closed form, across a resume, under sharding),
+--eval-every (best.ckpt and its records), --lr-schedule (the formula, across a resume) and --compile."""
+import json
+import math
+
+import pytest
+import torch
+
+from common.config import merge
+from common.ema import EMA
+from core.checkpoint import load_checkpoint, read
+from core.cli import FabricFlags
+from gan import train, train_torch
+from gan.config import Config
+from tests.conftest import run
+
+# the default digits, small models: a few seconds a run
+SMALL = {"batch_size": 8, "ngf": 8, "ndf": 8, "nz": 16, "eval_samples": 64, "log_every": 2, "sample_every": 1000}
+ARGS = [f"--{key.replace('_', '-')}={value}" for key, value in SMALL.items()]
+Wrapped = merge(Config, FabricFlags)
+
+
+def saved(run_dir, key):
+    return load_checkpoint(run_dir / "checkpoints" / "last.ckpt")[key]
+
+
+def assert_close(a: dict, b: dict, **tolerance):
+    assert a.keys() == b.keys() and a
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], msg=key, **tolerance)
+
+
+def test_ema_after_k_updates_is_the_closed_form_average():
+    model = torch.nn.Linear(3, 2)
+    decay, weights = 0.9, [model.weight.detach().clone()]
+    ema = EMA(model, decay)
+    for k in range(1, 5):
+        with torch.no_grad():
+            model.weight.add_(torch.randn_like(model.weight))
+        weights.append(model.weight.detach().clone())
+        ema.update()
+    k = len(weights) - 1  # avg_k = d^k w_0 + sum_i (1 - d) d^(k - i) w_i
+    expected = decay ** k * weights[0] + sum((1 - decay) * decay ** (k - i) * weights[i] for i in range(1, k + 1))
+    torch.testing.assert_close(ema.state_dict()["weight"], expected)
+    with ema.swapped_in():
+        torch.testing.assert_close(model.weight.detach(), expected)
+    assert torch.equal(model.weight.detach(), weights[-1])  # the raw weights are back
+
+
+def test_ema_decay_0_is_the_raw_generator():
+    model = torch.nn.Linear(3, 2)
+    ema = EMA(model, 0.0)
+    with torch.no_grad():
+        model.weight.mul_(2)
+    raw = model.weight.detach().clone()
+    ema.update()
+    with ema.swapped_in():
+        assert torch.equal(model.weight.detach(), raw)
+    assert ema.state_dict() == {}
+
+
+@pytest.mark.slow  # a run or more with a final score each: 25-65 s on 2 CPU cores
+def test_ema_is_checkpointed_and_resumes_exactly(tmp_path):
+    train.main(Wrapped(**SMALL, max_steps=6, out=str(tmp_path / "full"), accelerator="cpu"))
+    train.main(Wrapped(**SMALL, max_steps=3, out=str(tmp_path / "half"), accelerator="cpu"))
+    train.main(Wrapped(**SMALL, max_steps=6, resume=str(tmp_path / "half"), accelerator="cpu"))
+    full, resumed = saved(tmp_path / "full", "ema"), saved(tmp_path / "half", "ema")
+    assert full.keys() == dict(train.Generator(16, 8, 1, 32).named_parameters()).keys()
+    assert_close(full, resumed, rtol=0, atol=0)
+    assert not torch.equal(full["main.0.weight"], saved(tmp_path / "full", "generator")["main.0.weight"])
+
+
+@pytest.mark.slow  # a run or more with a final score each: 25-65 s on 2 CPU cores
+def test_plain_ema_matches_the_wrapped_one_and_scores_both(tmp_path):
+    summary = train_torch.main(Config(**SMALL, max_steps=4, out=str(tmp_path / "plain")))
+    train.main(Wrapped(**SMALL, max_steps=4, out=str(tmp_path / "wrapped"), accelerator="cpu"))
+    plain = torch.load(tmp_path / "plain" / "checkpoints" / "last.ckpt", weights_only=True)["ema"]
+    assert_close(plain, saved(tmp_path / "wrapped", "ema"), rtol=0, atol=0)
+    assert {"fid_classifier", "class_entropy", "raw_fid_classifier", "raw_class_entropy"} <= summary.keys()
+    off = train_torch.main(Config(**SMALL, max_steps=4, ema_decay=0, out=str(tmp_path / "off")))
+    assert "raw_fid_classifier" not in off and off["fid_classifier"] == pytest.approx(summary["raw_fid_classifier"])
+
+
+@pytest.mark.slow  # a run or more with a final score each: 25-65 s on 2 CPU cores
+@pytest.mark.parametrize("script", [train, train_torch])
+def test_eval_every_keeps_the_best_checkpoint_and_records(tmp_path, script):
+    config = Wrapped(**SMALL, accelerator="cpu") if script is train else Config(**SMALL)
+    config.max_steps, config.eval_every, config.out = 6, 2, str(tmp_path)
+    summary = script.main(config)
+    records = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+               if "eval_fid_classifier" in r]
+    assert [r["step"] for r in records] == [2, 4, 6]
+    best = min(records, key=lambda r: r["eval_fid_classifier"])
+    assert (summary["best_step"], summary["best_fid_classifier"]) == (best["step"], best["eval_fid_classifier"])
+    best_state = torch.load(tmp_path / "checkpoints" / "best.ckpt", weights_only=True)
+    best_state = best_state.get("state", best_state)  # the wrapped script's core-checkpoint
+    assert best_state["step"] == best["step"] == best_state["best_step"]
+
+
+def cosine_factor(step, warmup, total):
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+
+@pytest.mark.slow  # a run or more with a final score each: 25-65 s on 2 CPU cores
+def test_cosine_schedule_follows_the_formula_and_resumes_exactly(tmp_path, monkeypatch):
+    options = dict(SMALL, lr_schedule="cosine", warmup_steps=2, accelerator="cpu", max_steps=6)
+    train.main(Wrapped(**options, out=str(tmp_path / "full")))
+    for name in ("scheduler_g", "scheduler_d"):  # the factor of the next step, 6
+        assert saved(tmp_path / "full", name)["_last_lr"][0] == pytest.approx(2e-4 * cosine_factor(6, 2, 6))
+    assert saved(tmp_path / "full", "scheduler_g")["_last_lr"][0] == 0.0
+    # a run that stops after step 3 (as after a SIGTERM: it saves there), resumed to the same --max-steps
+    end_step = train.Bookkeeping.end_step
+    monkeypatch.setattr(train.Bookkeeping, "end_step",
+                        lambda self, *args: end_step(self, *args) or self.state["step"] == 3)
+    train.main(Wrapped(**options, out=str(tmp_path / "half")))
+    assert saved(tmp_path / "half", "step") == 3
+    assert saved(tmp_path / "half", "scheduler_g")["_last_lr"][0] == pytest.approx(2e-4 * cosine_factor(3, 2, 6))
+    monkeypatch.setattr(train.Bookkeeping, "end_step", end_step)
+    train.main(Wrapped(**options, resume=str(tmp_path / "half")))
+    for key in ("generator", "ema"):
+        assert_close(saved(tmp_path / "full", key), saved(tmp_path / "half", key), rtol=0, atol=0)
+    assert saved(tmp_path / "full", "scheduler_d") == saved(tmp_path / "half", "scheduler_d")
+
+
+@pytest.mark.slow  # a run or more with a final score each: 25-65 s on 2 CPU cores
+def test_compile_runs_a_few_steps(tmp_path):
+    summary = train.main(Wrapped(**SMALL, max_steps=2, compile=True, out=str(tmp_path), accelerator="cpu"))
+    assert math.isfinite(summary["fid_classifier"])
+
+
+def ema_of(run_dir):
+    return {k: v.float() for k, v in read(run_dir / "checkpoints" / "last.ckpt")["ema"].items()}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_stage_3"])
+def test_sharded_ema_equals_ddp_and_resumes(tmp_path, strategy):
+    """The averages of each rank's shards, put together, are the ddp run's; a resumed run gives the same."""
+    if strategy.startswith("deepspeed"):
+        pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+    common = ["-m", "gan.train", *ARGS, "--accelerator", "cpu", "--devices", "2", "--eval-every", "2"]
+    run([*common, "--strategy", "ddp", "--max-steps", "4", "--out", str(tmp_path / "ddp")], timeout=300)
+    run([*common, "--strategy", strategy, "--max-steps", "2", "--out", str(tmp_path / "half")], timeout=300)
+    run([*common, "--strategy", strategy, "--max-steps", "4", "--resume", str(tmp_path / "half")], timeout=300)
+    assert_close(ema_of(tmp_path / "half"), ema_of(tmp_path / "ddp"), rtol=1e-4, atol=1e-5)
+    summary = json.loads((tmp_path / "half" / "summary.json").read_text())
+    assert summary["best_step"] in (2, 4) and (tmp_path / "half" / "checkpoints" / "best.ckpt").exists()
