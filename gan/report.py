@@ -22,7 +22,7 @@ def generate(generator, noise: torch.Tensor, ema=None) -> torch.Tensor:
     """Images from `noise` in eval mode (BatchNorm's running statistics), with `ema`'s average weights swapped
     in when given. Every process must call it: under fsdp and deepspeed the generator's forward is collective."""
     generator.eval()
-    with ema.swapped_in() if ema is not None else nullcontext():
+    with torch.no_grad(), ema.swapped_in() if ema is not None else nullcontext():
         images = generator(noise)
     generator.train()
     return images
