@@ -6,8 +6,13 @@ that warms up or slows down. An A/A comparison (`against="plain"`: plain vs plai
 code differs by here: the noise floor that a wrapped/plain ratio must be read against. Step time is read
 from `metrics.jsonl` (every record is stamped): the time per step of each logging window after the first
 (warm-up) one, median over windows, so start-up, data loading, evaluation and the final score are not timed.
-Peak memory is the `peak_rss_mb` (CPU) or `peak_cuda_mb` (GPU) of rank 0 in `summary.json`. The plain reference of `fsdp` and `deepspeed` rows is plain DDP under
-torchrun: the same math, so weights agree to float tolerance and the time ratio is the strategy's cost.
+Peak memory is the `peak_rss_mb` (CPU) or `peak_cuda_mb` (GPU) of rank 0 in `summary.json`.
+
+The plain side (`plain_reference`) runs what the wrapped side runs, where plain PyTorch has it: the plain script
+on one device for `single`, under torchrun (DDP) for `ddp`, and for `fsdp` the workload's plain FSDP2 loop
+(`benchmarks/plain_fsdp.py`, under torchrun), so those ratios are the wrapper's own cost. Where there is no plain
+counterpart (`deepspeed*`, and `fsdp` of a workload without a plain FSDP2 loop: metalearn) the plain side is
+plain DDP: the same math, so weights agree to float tolerance and the time ratio is the strategy's cost.
 """
 import json
 import os
@@ -21,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.plain_fsdp import WORKLOADS as PLAIN_FSDP
 from benchmarks.record import ROOT, spread
 from benchmarks.workloads import WORKLOADS, flags
 
@@ -31,8 +37,10 @@ def _command(workload: str, variant: str, strategy: str, precision: str, steps: 
     if variant == "plain":
         if strategy == "single":
             return [sys.executable, "-m", f"{workload}.train_torch", *args]
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-                f"{workload}.train_torch", *args]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m"]
+        if strategy == "fsdp":
+            return [*torchrun, "benchmarks.plain_fsdp", workload, *args]
+        return [*torchrun, f"{workload}.train_torch", *args]
     devices = "1" if strategy == "single" else "2"
     return [sys.executable, "-m", f"{workload}.train", *args, "--strategy", strategy, "--devices", devices,
             "--precision", precision]
@@ -59,13 +67,21 @@ def run_weights(run_dir: Path) -> dict:
             for name, value in sub.items() if isinstance(value, torch.Tensor) and value.is_floating_point()}
 
 
+def plain_reference(workload: str, strategy: str) -> str:
+    """What the plain side of a `strategy` row runs: "single", "ddp" (the plain script under torchrun) or "fsdp"
+    (benchmarks/plain_fsdp.py)."""
+    if strategy == "single":
+        return "single"
+    return "fsdp" if strategy == "fsdp" and workload in PLAIN_FSDP else "ddp"
+
+
 def compare(workload: str, strategy: str, precision: str = "32-true", repeats: int = 2, scale: int = 1,
             against: str = "wrapped", seed: int = 0) -> dict:
     """Plain vs `against` ("wrapped", or "plain" for the A/A row) over `repeats` pairs, each pair in a random
     order drawn from `seed` and the case; the orders are returned under "orders"."""
     steps, log_every = WORKLOADS[workload].parity_steps
     steps *= scale
-    plain_strategy = "single" if strategy == "single" else "ddp"
+    plain_strategy = plain_reference(workload, strategy)
     times = {"plain": [], "wrapped": []}
     memory = {"plain": [], "wrapped": []}
     ratios, final, orders = [], {}, []
@@ -95,6 +111,7 @@ def compare(workload: str, strategy: str, precision: str = "32-true", repeats: i
     difference = max((a[k] - b[k]).abs().max().item() for k in common) if common else float("nan")
     bitwise = bool(common) and len(common) == len(a) and all(torch.equal(a[k], b[k]) for k in common)
     return {"workload": workload, "strategy": strategy, "precision": precision, "steps": steps, "against": against,
+            "plain": plain_strategy,
             "orders": orders,
             "plain_ms": spread(times["plain"]), "wrapped_ms": spread(times["wrapped"]), "ratio": spread(ratios),
             "plain_memory_mb": statistics.median(memory["plain"]),

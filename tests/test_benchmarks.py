@@ -98,9 +98,9 @@ def test_a_failing_parity_row_is_shown_failing_and_results_are_well_formed(resul
             aa = {"ratio": {"median": 1.0, "min": 1 - noise[w], "max": 1 + noise[w], "n": 2}, "plain_memory_mb": 100.0,
                   "wrapped_memory_mb": 100.0, "weights_bitwise_equal": True}
             return {**fake, **aa, "workload": w, "strategy": s, "precision": p, "against": against,
-                    "orders": [["wrapped", "plain"], ["plain", "wrapped"]]}
+                    "plain": parity.plain_reference(w, s), "orders": [["wrapped", "plain"], ["plain", "wrapped"]]}
         return {**fake, "workload": w, "strategy": s, "precision": p, "against": against,
-                "orders": [["wrapped", "plain"]]}
+                "plain": parity.plain_reference(w, s), "orders": [["wrapped", "plain"]]}
 
     monkeypatch.setattr(parity, "compare", compare)
     markdown = bench.run_parity(quick=True)
@@ -108,6 +108,10 @@ def test_a_failing_parity_row_is_shown_failing_and_results_are_well_formed(resul
     assert row.count("**no**") == 2 and "max diff 0.5" in row  # time and memory both miss their targets
     assert "<= 1.050: **no**" in row and row.endswith("| wp |")  # 1.03 + gan's floor 0.02; wrapped ran first
     assert "| gan | plain (A/A) | 32-true |" in markdown and "floor 0.020" in markdown
+    fsdp = next(line for line in markdown.splitlines() if line.startswith("| gan | fsdp"))
+    assert "<= 1.070: **no**" in fsdp  # against plain FSDP2: the wrapper's cost, with ddp's target
+    deepspeed = next(line for line in markdown.splitlines() if line.startswith("| gan | deepspeed_stage_2"))
+    assert "| n/a |" in deepspeed  # against plain DDP: the strategy's cost, no target
     saved = json.loads((results / "quick" / "parity.json").read_text())
     assert saved["environment"]["commit"] and saved["environment"]["torch"]
     assert len(saved["rows"]) == 3 + 8 and saved["rows"][0]["against"] == "plain"
@@ -184,6 +188,23 @@ def test_parity_reads_deepspeed_weights(monkeypatch):
     monkeypatch.setitem(WORKLOADS, "autoencoder", dataclasses.replace(WORKLOADS["autoencoder"], parity_steps=(12, 3)))
     row = parity.compare("autoencoder", "deepspeed_stage_2", repeats=1)
     assert row["compared_tensors"] > 0 and row["weights_max_abs_diff"] < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_fsdp_row_runs_against_the_plain_fsdp2_loop_and_reaches_its_weights(monkeypatch):
+    """The fsdp row's plain side is benchmarks/plain_fsdp.py, whose weights --strategy fsdp must reach bitwise:
+    the same shard groups, reduce-scatters and Adam steps on the same data."""
+    small = WORKLOADS["autoencoder"]
+    monkeypatch.setitem(WORKLOADS, "autoencoder", dataclasses.replace(
+        small, parity={**small.generated_data, **small.small}, parity_steps=(6, 2)))
+    commands = []
+    run = parity._run
+    monkeypatch.setattr(parity, "_run", lambda command, out: commands.append(command) or run(command, out))
+    row = parity.compare("autoencoder", "fsdp", repeats=1)
+    assert row["plain"] == "fsdp" and sum("benchmarks.plain_fsdp" in command for command in commands) == 1
+    assert row["weights_bitwise_equal"] and row["compared_tensors"] == 12
+    assert parity.plain_reference("metalearn", "fsdp") == "ddp"  # no plain FSDP2 loop: against plain DDP
 
 
 def test_gpu_check_lists_refusals_apart_from_failures(results, monkeypatch, tmp_path):
