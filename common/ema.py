@@ -9,7 +9,10 @@ torch.optim.swa_utils.AveragedModel deep-copies the module, which a sharded one 
 float32 copy of each parameter's local storage instead: the parameter itself (single, ddp, ZeRO 1 and 2,
 where every process holds it whole), its DTensor (fsdp: the copy is sharded like the parameter, and the
 checkpoint saves it sharded), or ZeRO-3's partition `param.ds_tensor` (the parameter is an empty
-placeholder). Buffers are not averaged: BatchNorm's running statistics stay the raw module's.
+placeholder). Floating-point buffers (BatchNorm's running statistics) are averaged with the weights, as
+`AveragedModel(use_buffers=True)` does: the average generator in eval mode then normalises with statistics
+of about the same weights (with the raw module's statistics, a digits run scored FID 2.51 against 1.06
+raw). Other buffers (the batch counter) stay the module's.
 
 The state dict is keyed by parameter name. Under ZeRO-3, where each process holds a flat slice, `gather`
 (fabric.all_gather) makes full tensors of the slices for the checkpoint, which only rank 0 writes, and
@@ -32,16 +35,27 @@ class EMA:
         if not 0 <= decay < 1:
             raise ValueError(f"the EMA decay must be in [0, 1), got {decay}")
         self.decay, self.gather, self.rank = decay, gather, rank  # no `module` attribute: save_plain would unwrap it
-        self.params = dict(module.named_parameters()) if decay else {}
+        floating = {name: b for name, b in module.named_buffers() if b.is_floating_point()}
+        self.params = {**dict(module.named_parameters()), **floating} if decay else {}  # the averaged tensors
         with torch.no_grad():
             self.averages = {name: local_tensor(p).detach().float().clone() for name, p in self.params.items()}
+        self.updates = 0
+
+    def current_decay(self) -> float:
+        """The decay of the next update: `decay`, held lower while few updates have been made, min(decay,
+        (1 + n) / (10 + n)) at update n (TensorFlow's ExponentialMovingAverage with num_updates), so the average
+        is not dominated by the initial weights for the first ~1/(1 - decay) steps (at 0.999 and step 1000 it
+        would still be 37% initialisation)."""
+        n = self.updates + 1
+        return min(self.decay, (1 + n) / (10 + n))
 
     @torch.no_grad()
     def update(self) -> None:
-        """average <- decay * average + (1 - decay) * weights, for every parameter."""
+        """average <- d * average + (1 - d) * weights, for every parameter and float buffer (d: current_decay)."""
         if self.averages:
             current = [local_tensor(p).float() for p in self.params.values()]
-            torch._foreach_lerp_(list(self.averages.values()), current, 1 - self.decay)
+            torch._foreach_lerp_(list(self.averages.values()), current, 1 - self.current_decay())
+            self.updates += 1
 
     @contextmanager
     def swapped_in(self):
@@ -77,10 +91,12 @@ class EMA:
             if hasattr(p, "ds_tensor"):  # (world, slice) -> the first numel elements, in the parameter's shape
                 average = self.gather(average).reshape(-1)[:p.ds_numel].view(p.ds_shape)
             state[name] = average
-        return state
+        return {**state, "updates": self.updates} if self.averages else state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        self.updates = int(state.pop("updates", 0))
         if set(state) != set(self.averages):
             raise ValueError(f"the checkpoint's EMA holds {len(state)} averages, this generator has "
                              f"{len(self.averages)} parameters; resume with the --ema-decay of the run that saved it")

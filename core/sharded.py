@@ -81,7 +81,10 @@ def save(path, state: dict, rank: int, barrier) -> None:
     tensors, rest = split(state)
     alone = not torch.distributed.is_initialized()  # one process: no group to coordinate
     with _alone_is_intended():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=alone)
+        # a tensor every rank holds whole is written once; by rank 0, whose copy a one-process save or the plain
+        # scripts would keep (BatchNorm statistics that differ per rank: DCP's default picks any rank)
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=alone,
+                 planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     if rank == 0:
         checkpoint.save_checkpoint(rest, tmp / STATE)
     checkpoint.replace_directory(tmp, path, rank, barrier)

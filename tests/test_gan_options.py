@@ -39,9 +39,12 @@ def test_ema_after_k_updates_is_the_closed_form_average():
             model.weight.add_(torch.randn_like(model.weight))
         weights.append(model.weight.detach().clone())
         ema.update()
-    k = len(weights) - 1  # avg_k = d^k w_0 + sum_i (1 - d) d^(k - i) w_i
-    expected = decay ** k * weights[0] + sum((1 - decay) * decay ** (k - i) * weights[i] for i in range(1, k + 1))
+    # avg_k = d_k avg_(k-1) + (1 - d_k) w_k, d_k = min(0.9, (1 + k) / (10 + k)): unrolled, each w_i weighs
+    # (1 - d_i) times the product of the later decays
+    d = [min(decay, (1 + k) / (10 + k)) for k in range(1, 5)]
+    expected = math.prod(d) * weights[0] + sum((1 - d[i - 1]) * math.prod(d[i:]) * weights[i] for i in range(1, 5))
     torch.testing.assert_close(ema.state_dict()["weight"], expected)
+    assert ema.state_dict()["updates"] == 4 and ema.current_decay() == pytest.approx(min(decay, 6 / 15))
     with ema.swapped_in():
         torch.testing.assert_close(model.weight.detach(), expected)
     assert torch.equal(model.weight.detach(), weights[-1])  # the raw weights are back
