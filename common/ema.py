@@ -53,8 +53,9 @@ class EMA:
     def update(self) -> None:
         """average <- d * average + (1 - d) * weights, for every parameter and float buffer (d: current_decay)."""
         if self.averages:
-            current = [local_tensor(p).float() for p in self.params.values()]
-            torch._foreach_lerp_(list(self.averages.values()), current, 1 - self.current_decay())
+            weight = 1 - self.current_decay()
+            for average, p in zip(self.averages.values(), self.params.values()):  # one by one: under fsdp the
+                average.lerp_(local_tensor(p).float(), weight)  # parameters are DTensors, the buffers are not
             self.updates += 1
 
     @contextmanager
