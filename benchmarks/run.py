@@ -232,9 +232,8 @@ def _quality_runs() -> list[tuple[str, str, list[str]]]:
 
 
 def run_quality() -> str:
-    rows, commands, records = [], [], []
+    commands, records = [], []
     for name, setup, extra in _quality_runs():
-        workload = WORKLOADS[name]
         summaries = []
         for seed in SEEDS:
             command = ["-m", f"{name}.train", *extra, "--seed", str(seed)]  # the command a user runs
@@ -244,37 +243,49 @@ def run_quality() -> str:
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
             summaries.append(json.loads((out / "summary.json").read_text()))
         records.append({"workload": name, "setup": setup, "flags": extra, "summaries": summaries})
-        metrics = [(q.metric, q) for q in workload.quality]
+    markdown = quality_markdown(records)
+    write("quality", {"commands": commands}, records, markdown, threads="torch's default threads (one per core)")
+    return markdown
+
+
+def _over_seeds(values: list) -> tuple:
+    """(mean or None, "min-max (sd)" or which seeds diverged)."""
+    if any(v is None for v in values):
+        return None, "diverged in " + ", ".join(f"seed {s}" for s, v in zip(SEEDS, values) if v is None)
+    return statistics.mean(values), f"{min(values):.4g}-{max(values):.4g} (sd {statistics.stdev(values):.2g})"
+
+
+def quality_markdown(records: list[dict]) -> str:
+    """The quality table of the runs' summaries (one record per workload and setup, one summary per seed)."""
+    rows = []
+    for record in records:
+        name, summaries = record["workload"], record["summaries"]
+        metrics = [(q.metric, q) for q in WORKLOADS[name].quality]
         if name == "gan" and "raw_fid_classifier" in summaries[0]:
             metrics.insert(1, ("raw_fid_classifier", None))
         for key, quality in metrics:
-            values = [s[key]["1"] if key == "test_mse_steps" else s[key] for s in summaries]
-            if any(v is None for v in values):
-                mean, spread_text = None, "diverged in " + ", ".join(f"seed {s}" for s, v in zip(SEEDS, values)
-                                                                     if v is None)
-            else:
-                mean = statistics.mean(values)
-                spread_text = f"{min(values):.4g}-{max(values):.4g} (sd {statistics.stdev(values):.2g})"
-            target = quality.target if quality else ""
+            mean, spread_text = _over_seeds([s[key]["1"] if key == "test_mse_steps" else s[key] for s in summaries])
             ok = ""
             if quality:
                 op, bound = quality.target.split()
                 ok = _mark(mean is not None and (mean <= float(bound) if op == "<=" else mean >= float(bound)))
-            rows.append([name, setup, "MSE after 1 step" if key == "test_mse_steps" else key,
-                         "" if mean is None else f"{mean:.4g}", spread_text, target, ok,
+            rows.append([name, record["setup"], "MSE after 1 step" if key == "test_mse_steps" else key,
+                         "" if mean is None else f"{mean:.4g}", spread_text, quality.target if quality else "", ok,
                          f"{statistics.mean(s['train_seconds'] for s in summaries):.1f}",
-                         quality.reference if quality else "the generator without EMA, same runs"])
-    steps = "; ".join(f"{r['setup']}: " + ", ".join("diverged" if v is None else f"{v:.3f}" for v in (
-        statistics.mean(s["test_mse_steps"][k] for s in r["summaries"]) if all(s["test_mse_steps"][k] is not None
-        for s in r["summaries"]) else None for k in r["summaries"][0]["test_mse_steps"]))
-                      for r in records if r["workload"] == "metalearn")
-    markdown = (f"Quality of the default commands on this machine, seeds {', '.join(map(str, SEEDS))} (mean, min-max "
-                f"and standard deviation over the seeds; a target is met by the mean):\n\n" +
-                table(["workload", "setup", "metric", "mean", "over seeds", "target", "met", "train s (mean)",
-                       "reference"], rows) +
-                f"\nMAML MSE after 0/1/5/10 steps (means): {steps}\n")
-    write("quality", {"commands": commands}, records, markdown, threads="torch's default threads (one per core)")
-    return markdown
+                         quality.reference if quality else "the same runs' generator without the average"])
+    steps = "; ".join(
+        f"{r['setup']}: " + ", ".join("diverged" if m is None else f"{m:.3f}" for m, _ in (
+            _over_seeds([s["test_mse_steps"][k] for s in r["summaries"]]) for k in r["summaries"][0]["test_mse_steps"]))
+        for r in records if r["workload"] == "metalearn")
+    return (f"Quality of the default commands on this machine, seeds {', '.join(map(str, SEEDS))} (mean, min-max "
+            f"and standard deviation over the seeds; a target is met by the mean; `python -m <workload>.train "
+            f"--seed S`, the flags of the setup added):\n\n" +
+            table(["workload", "setup", "metric", "mean", "over seeds", "target", "met", "train s (mean)",
+                   "reference"], rows) +
+            f"\nMAML MSE after 0/1/5/10 steps (means): {steps}.\n\n" + QUALITY_NOTES)
+
+
+QUALITY_NOTES = ""
 
 
 def update_readme(sections: dict) -> None:
