@@ -68,9 +68,7 @@ class RunDir:
         else:
             import resource
             peak = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            peak["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        return peak
+        return {**peak, **cuda_peak()}
 
     def write_json(self, name: str, data: dict) -> None:
         if self.write:
@@ -117,6 +115,13 @@ class RunDir:
         fig.tight_layout()
         fig.savefig(self.path / name, dpi=100)
         plt.close(fig)
+
+
+def cuda_peak() -> dict:
+    """{"peak_cuda_mb": the CUDA allocator's peak so far} once this process has used CUDA, else {}."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {"peak_cuda_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1)}
+    return {}
 
 
 def _check_writable(path: Path) -> None:
@@ -335,9 +340,7 @@ class Bookkeeping:
         self._since = (self.state["step"], now)
         record = {"examples_per_s": round((self.state["step"] - last_step) * self.examples_per_step
                                           / max(now - last_time, 1e-9), 1)}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            record["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        return record
+        return {**record, **cuda_peak()}
 
     def checkpoint_due(self) -> bool:
         """True every `checkpoint_every` steps, once the weights are checked (a FloatingPointError if any is
