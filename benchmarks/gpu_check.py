@@ -56,8 +56,8 @@ def command(workload: str, devices: int, variant: str, precision: str, out: Path
     if variant == "plain":
         if devices == 1:
             return [sys.executable, "-m", f"{workload}.train_torch", *args]
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices), "-m",
-                f"{workload}.train_torch", *args]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(devices),
+                "-m", f"{workload}.train_torch", *args]
     return [sys.executable, "-m", f"{workload}.train", *args, "--accelerator", "cuda", "--strategy", variant,
             "--devices", str(devices), "--precision", precision]
 

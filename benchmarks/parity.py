@@ -37,7 +37,8 @@ def _command(workload: str, variant: str, strategy: str, precision: str, steps: 
     if variant == "plain":
         if strategy == "single":
             return [sys.executable, "-m", f"{workload}.train_torch", *args]
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m"]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "-m"]
         if strategy == "fsdp":
             return [*torchrun, "benchmarks.plain_fsdp", workload, *args]
         return [*torchrun, f"{workload}.train_torch", *args]

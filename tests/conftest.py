@@ -26,6 +26,11 @@ def _private_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SUITE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
+# torchrun on 2 local processes; --standalone takes a free rendezvous port instead of the fixed 29500, which
+# another test running at the same time (pytest -n 2) may hold
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
 def run(args, timeout=240, check=True, env=None, **kwargs):
     """Run `python args...` from the repository root; return the CompletedProcess."""
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}

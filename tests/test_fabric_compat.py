@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset, Wei
 from core import Fabric, seed_everything
 from core.loggers import CSVLogger, TensorBoardLogger
 from core.wrappers import ShardedSampler
-from tests.conftest import run
+from tests.conftest import TORCHRUN, run
 
 
 def spawn(fn, *args, devices=2):
@@ -348,7 +348,7 @@ def test_fabric_run_starts_the_processes(tmp_path):
         "total = fabric.all_reduce(torch.tensor(float(fabric.global_rank)), reduce_op='sum')\n"
         "if fabric.global_rank == 0:\n"
         "    json.dump({'world_size': fabric.world_size, 'total': total.item()}, open(sys.argv[1], 'w'))\n")
-    command = ["-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), str(out)]
+    command = [*TORCHRUN, str(script), str(out)]
     try:
         import lightning  # noqa: F401
         command = ["-m", "lightning.fabric.cli", "--accelerator", "cpu", "--devices", "2", str(script),

@@ -17,7 +17,7 @@ from core.cli import FabricFlags
 from gan import train, train_torch
 from gan.config import Config
 from gan.data import DatasetNotFound, load_images
-from tests.conftest import run
+from tests.conftest import TORCHRUN, run
 
 TINY = {**WORKLOADS["gan"].generated_data, **WORKLOADS["gan"].small, "log_every": 2, "sample_every": 1000}
 
@@ -132,7 +132,7 @@ def test_plain_variant_under_torchrun_equals_the_wrapped_one_under_ddp(tmp_path)
     args = ["--dataset", "fake", "--max-steps", "4", "--batch-size", "8", "--ngf", "8", "--ndf", "8", "--nz", "16",
             "--eval-samples", "8"]
     # the plain script takes the GPU when torch sees one, like any plain script: hide it, this is the CPU test
-    run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "gan.train_torch", *args,
+    run([*TORCHRUN, "-m", "gan.train_torch", *args,
          "--out", str(tmp_path / "plain")], timeout=300, env={"CUDA_VISIBLE_DEVICES": ""})
     run(["-m", "gan.train", *args, "--accelerator", "cpu", "--strategy", "ddp", "--devices", "2",
          "--out", str(tmp_path / "wrapped")], timeout=300)

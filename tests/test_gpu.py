@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.parity import run_weights
 from benchmarks.workloads import WORKLOADS, flags
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TORCHRUN
 
 pytestmark = pytest.mark.gpu
 
@@ -90,7 +90,7 @@ def test_ddp_on_two_gpus_equals_plain_ddp_under_torchrun(tmp_path, workload):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA devices, torch sees {torch.cuda.device_count()}")
     steps = ["--max-steps", "4"]
-    run_on_gpu(tmp_path, ["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", f"{workload}.train_torch",
+    run_on_gpu(tmp_path, [*TORCHRUN, "-m", f"{workload}.train_torch",
                           *settings(workload), *steps, "--out", str(tmp_path / "plain")])
     run_on_gpu(tmp_path, ["-m", f"{workload}.train", *settings(workload), *steps, "--accelerator", "cuda",
                           "--strategy", "ddp", "--devices", "2", "--out", str(tmp_path / "wrapped")])

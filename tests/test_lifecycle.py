@@ -72,7 +72,8 @@ def test_every_readme_command_runs(tmp_path, where, command):
         assert result.returncode in (0, 1) and "fabric" in result.stdout, result.stderr  # 1: the files differ
         return
     if words[0] == "torchrun":
-        words = [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+        # --standalone: a free rendezvous port instead of 29500, which another test may hold (pytest -n 2)
+        words = [sys.executable, "-m", "torch.distributed.run", "--standalone", *words[1:]]
     elif words[0] == "python":
         words = [sys.executable, *words[1:]]
     words += ["--max-steps", "3", "--out", str(tmp_path / "run")]

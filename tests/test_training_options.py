@@ -18,7 +18,7 @@ import torch
 from benchmarks.parity import run_weights
 from common.config import RunConfig
 from common.run import Bookkeeping, RunDir, StopRequests, lr_scheduler
-from tests.conftest import ROOT, run
+from tests.conftest import ROOT, TORCHRUN, run
 from tests.test_usability import one_line_error
 
 CPU = ["--accelerator", "cpu"]
@@ -126,7 +126,7 @@ def test_accumulation_across_processes_matches_one_process(tmp_path, workload):
     if workload == "autoencoder":
         common = ["--width", "4", "--log-every", "3", "--max-steps", "6"]
         run(["-m", "autoencoder.train", *common, *CPU, "--batch-size", "32", "--out", str(tmp_path / "one")])
-        run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "autoencoder.train_torch", *common,
+        run([*TORCHRUN, "-m", "autoencoder.train_torch", *common,
              "--batch-size", "8", "--accumulate", "2", "--out", str(tmp_path / "many")], timeout=400)
     else:
         run([*METALEARN, "--max-steps", "6", "--batch-size", "12", "--out", str(tmp_path / "one")])
