@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
 from common.config import cli
 from common.ema import EMA
@@ -57,8 +58,9 @@ def save(run: RunDir, state: dict, path=None, models: dict | None = None) -> Non
             data[key] = get_model_state_dict(value, options=FULL)
         elif isinstance(value, torch.optim.Optimizer):  # keyed by parameter name, which load_plain also reads
             data[key] = get_optimizer_state_dict(state[models[key]], value, options=FULL)
-        elif isinstance(value, EMA):  # its averages are DTensors, sharded like the parameters
-            data[key] = {name: average.full_tensor().cpu() for name, average in value.state_dict().items()}
+        elif isinstance(value, EMA):  # the parameters' averages are DTensors, sharded like them; the buffers' not
+            data[key] = {name: average.full_tensor().cpu() if isinstance(average, DTensor) else average
+                         for name, average in value.state_dict().items()}
         else:
             data[key] = value.state_dict() if hasattr(value, "state_dict") else value
     if run.write:
@@ -131,6 +133,7 @@ def autoencoder(config) -> dict:
 def gan(config) -> dict:
     """gan/train_torch.py's main with FSDP2 in place of DDP. D's BatchNorm running statistics stay each
     rank's own, as under DDP with broadcast_buffers=False: FSDP2 neither shards nor broadcasts buffers."""
+    from gan.augment import Augment
     from gan.data import CHANNELS, load_images, make_loader
     from gan.model import Discriminator, Generator
     from gan.report import evaluate, finish, generate, save_samples
@@ -155,6 +158,7 @@ def gan(config) -> dict:
     optimizer_d = torch.optim.Adam(discriminator.parameters(), lr=config.lr, betas=(config.beta1, 0.999))
     scheduler_g, scheduler_d = lr_scheduler(optimizer_g, config), lr_scheduler(optimizer_d, config)
     ema = EMA(generator, config.ema_decay)  # of this rank's shards
+    augment = Augment(config.augment)
 
     state = {"generator": generator, "discriminator": discriminator, "optimizer_g": optimizer_g,
              "optimizer_d": optimizer_d, "scheduler_g": scheduler_g, "scheduler_d": scheduler_d, "ema": ema,
@@ -172,12 +176,13 @@ def gan(config) -> dict:
         if step >= config.max_steps:
             break
         real = real.to(device, non_blocking=True)
-        noise = torch.randn(real.size(0), config.nz, 1, 1, generator=step_generator(config.seed, rank, step))
-        noise = noise.to(device)
+        draws = step_generator(config.seed, rank, step)  # this step's noise, then its augmentations
+        noise = torch.randn(real.size(0), config.nz, 1, 1, generator=draws).to(device)
 
         # (1) Update D: maximize log D(x) + log(1 - D(G(z)))
         fake = generator(noise)
-        logits_real, logits_fake = discriminator(real), discriminator(fake.detach())
+        logits_real = discriminator(augment(real, draws))  # real and generated images through the same transforms
+        logits_fake = discriminator(augment(fake.detach(), draws))
         loss_d = (F.binary_cross_entropy_with_logits(logits_real, torch.ones_like(logits_real))
                   + F.binary_cross_entropy_with_logits(logits_fake, torch.zeros_like(logits_fake)))
         optimizer_d.zero_grad(set_to_none=True)
@@ -193,7 +198,7 @@ def gan(config) -> dict:
         sharded = list(discriminator.parameters())
         for param in sharded:
             param.requires_grad_(False)
-        logits = discriminator(fake)
+        logits = discriminator(augment(fake, draws))
         for param in sharded:
             param.requires_grad_(True)
         loss_g = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))

@@ -329,23 +329,17 @@ def main(argv=None):
     unknown = set(parts) - set(PARTS)
     if unknown:
         parser.error(f"unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
-    sections = {}
-    if "overhead" in parts:
-        sections["overhead"] = run_overhead(args.quick)
-    if "maml" in parts:
-        sections["maml_speed"] = run_maml(args.quick)
-    if "parity" in parts:
-        sections["parity"] = run_parity(args.quick)
-    if "checkpoint" in parts:
-        sections["checkpoint"] = run_checkpoint(args.quick)
-    if "quality" in parts and not args.quick:
-        sections["quality"] = run_quality()
-    for markdown in sections.values():
+    runs = {"overhead": run_overhead, "maml": run_maml, "parity": run_parity, "checkpoint": run_checkpoint,
+            "quality": lambda quick: run_quality()}
+    for part in PARTS:
+        if part not in parts or (part == "quality" and args.quick):
+            continue
+        markdown = runs[part](args.quick)
         print(markdown)
+        if not args.quick and not args.no_readme:  # part by part: a part that fails later loses no table
+            update_readme({"maml_speed" if part == "maml" else part: markdown})
     if args.quick:
         print(f"Quick results are in {results_dir(True)}; README.md and the full results are unchanged.")
-    elif not args.no_readme:
-        update_readme(sections)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 from common.config import RunConfig, flag
+from gan.augment import POLICIES, parse_policy
 from gan.data import DATASETS
 
 
@@ -19,6 +20,8 @@ class Config(RunConfig):
     eval_samples: int = flag(360, "generated images for the score (the digits held-out size)")
     ema_decay: float = flag(0.999, "decay of the exponential moving average of the generator's weights, which is "
                                    "scored beside the raw generator (0: no average)")
+    augment: str = flag("none", "DiffAugment of every image the discriminator sees, comma-separated from "
+                        f"{', '.join(POLICIES)} (none: the paper's DCGAN)")
     eval_every: int = flag(0, "score the (average) generator every N steps, keeping checkpoints/best.ckpt at the "
                               "lowest FID (0: only at the end)")
 
@@ -30,6 +33,7 @@ class Config(RunConfig):
                              "raise --batch-size instead")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"--ema-decay must be in [0, 1) (0 turns the average off), got {self.ema_decay}")
+        parse_policy(self.augment)
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
         if self.eval_every and self.dataset == "fake":

@@ -17,6 +17,7 @@ from common.run import (Bookkeeping, RunDir, StopRequests, batches, check_resume
                         step_generator, write_config)
 from core import Fabric
 from core.cli import FabricFlags
+from gan.augment import Augment
 from gan.config import Config
 from gan.data import CHANNELS, load_images, make_loader
 from gan.model import Discriminator, Generator
@@ -50,6 +51,7 @@ def main(config: Config) -> dict:
     discriminator, optimizer_d, scheduler_d = fabric.setup(discriminator, optimizer_d, scheduler=scheduler_d,
                                                            ddp={"broadcast_buffers": False})
     ema = EMA(generator, config.ema_decay, fabric.all_gather, rank)  # G's average weights, on each rank's shards
+    augment = Augment(config.augment)  # DiffAugment of D's inputs (none: identity, no draws)
 
     state = {"generator": generator, "discriminator": discriminator, "optimizer_g": optimizer_g,
              "optimizer_d": optimizer_d, "scheduler_g": scheduler_g, "scheduler_d": scheduler_d, "ema": ema,
@@ -70,12 +72,13 @@ def main(config: Config) -> dict:
     for step, (real, _) in batches(loader, state["step"]):
         if step >= config.max_steps:
             break
-        noise = torch.randn(real.size(0), config.nz, 1, 1, generator=step_generator(config.seed, rank, step))
-        noise = noise.to(device)
+        draws = step_generator(config.seed, rank, step)  # this step's noise, then its augmentations
+        noise = torch.randn(real.size(0), config.nz, 1, 1, generator=draws).to(device)
 
         # (1) Update D: maximize log D(x) + log(1 - D(G(z)))
         fake = generator(noise)
-        logits_real, logits_fake = discriminator(real), discriminator(fake.detach())
+        logits_real = discriminator(augment(real, draws))  # real and generated images through the same transforms
+        logits_fake = discriminator(augment(fake.detach(), draws))
         loss_d = (F.binary_cross_entropy_with_logits(logits_real, torch.ones_like(logits_real))
                   + F.binary_cross_entropy_with_logits(logits_fake, torch.zeros_like(logits_fake)))
         optimizer_d.zero_grad(set_to_none=True)
@@ -85,7 +88,7 @@ def main(config: Config) -> dict:
 
         # (2) Update G: maximize log D(G(z)); D is a fixed function here: no D gradients, no D all-reduce
         with fabric.frozen(discriminator):
-            logits = discriminator(fake)
+            logits = discriminator(augment(fake, draws))
         loss_g = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
         optimizer_g.zero_grad(set_to_none=True)
         fabric.backward(loss_g)

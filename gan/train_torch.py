@@ -18,6 +18,7 @@ from common.ema import EMA
 from common.run import (Bookkeeping, RunDir, StopRequests, batches, check_resume_config, lr_scheduler, resume_path,
                         step_generator, write_config)
 from common.run import load_plain
+from gan.augment import Augment
 from gan.config import Config
 from gan.data import CHANNELS, load_images, make_loader
 from gan.model import Discriminator, Generator
@@ -55,6 +56,7 @@ def main(config: Config) -> dict:
         # forward would overwrite BatchNorm statistics saved for that backward, so keep buffers local.
         discriminator = DistributedDataParallel(discriminator, broadcast_buffers=False)
     ema = EMA(getattr(generator, "module", generator), config.ema_decay)  # G's average weights
+    augment = Augment(config.augment)  # DiffAugment of D's inputs (none: identity, no draws)
 
     state = {"generator": generator, "discriminator": discriminator, "optimizer_g": optimizer_g,
              "optimizer_d": optimizer_d, "scheduler_g": scheduler_g, "scheduler_d": scheduler_d, "ema": ema,
@@ -75,12 +77,13 @@ def main(config: Config) -> dict:
         if step >= config.max_steps:
             break
         real = real.to(device, non_blocking=True)  # from pinned memory: the copy overlaps the next work
-        noise = torch.randn(real.size(0), config.nz, 1, 1, generator=step_generator(config.seed, rank, step))
-        noise = noise.to(device)
+        draws = step_generator(config.seed, rank, step)  # this step's noise, then its augmentations
+        noise = torch.randn(real.size(0), config.nz, 1, 1, generator=draws).to(device)
 
         # (1) Update D: maximize log D(x) + log(1 - D(G(z)))
         fake = generator(noise)
-        logits_real, logits_fake = discriminator(real), discriminator(fake.detach())
+        logits_real = discriminator(augment(real, draws))  # real and generated images through the same transforms
+        logits_fake = discriminator(augment(fake.detach(), draws))
         loss_d = (F.binary_cross_entropy_with_logits(logits_real, torch.ones_like(logits_real))
                   + F.binary_cross_entropy_with_logits(logits_fake, torch.zeros_like(logits_fake)))
         optimizer_d.zero_grad(set_to_none=True)
@@ -93,7 +96,7 @@ def main(config: Config) -> dict:
         # forward would only prepare its reducer for a backward that gives D no gradients to reduce.
         frozen_discriminator = discriminator.module if world_size > 1 else discriminator
         frozen_discriminator.requires_grad_(False)
-        logits = frozen_discriminator(fake)
+        logits = frozen_discriminator(augment(fake, draws))
         frozen_discriminator.requires_grad_(True)
         loss_g = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
         optimizer_g.zero_grad(set_to_none=True)

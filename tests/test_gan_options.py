@@ -1,5 +1,6 @@
 """The GAN's options: --ema-decay (the average against its closed form, across a resume, under sharding),
---eval-every (best.ckpt and its records), --lr-schedule (the formula, across a resume) and --compile."""
+--eval-every (best.ckpt and its records), --lr-schedule (the formula, across a resume), --compile and
+--augment (each transform against what it must do, its gradient, and what D sees in both variants)."""
 import json
 import math
 
@@ -11,6 +12,7 @@ from common.ema import EMA
 from core.checkpoint import load_checkpoint, read
 from core.cli import FabricFlags
 from gan import train, train_torch
+from gan.augment import Augment, cutout, translation
 from gan.config import Config
 from tests.conftest import run
 
@@ -154,3 +156,68 @@ def test_sharded_ema_equals_ddp_and_resumes(tmp_path, strategy):
     assert_close(ema_of(tmp_path / "half"), ema_of(tmp_path / "ddp"), rtol=1e-4, atol=1e-5)
     summary = json.loads((tmp_path / "half" / "summary.json").read_text())
     assert summary["best_step"] in (2, 4) and (tmp_path / "half" / "checkpoints" / "best.ckpt").exists()
+
+
+# --- --augment (DiffAugment) ---------------------------------------------------------------------------
+def test_translation_shifts_each_image_by_its_own_whole_pixels_and_fills_the_border_with_0():
+    images = torch.randn(6, 2, 16, 16)
+    shifted = translation(images, torch.Generator().manual_seed(3))
+    draws = torch.Generator().manual_seed(3)  # the same draws again: (dy, dx) of each image, within 16 / 8
+    dy, dx = (torch.randint(-2, 3, (6, 1), generator=draws)[:, 0] for _ in range(2))
+    assert len(set(zip(dy.tolist(), dx.tolist()))) > 1
+    for image, out, y, x in zip(images, shifted, dy.tolist(), dx.tolist()):
+        expected = torch.zeros_like(image)
+        expected[:, max(y, 0):16 + min(y, 0), max(x, 0):16 + min(x, 0)] = \
+            image[:, max(-y, 0):16 + min(-y, 0), max(-x, 0):16 + min(-x, 0)]
+        assert torch.equal(out, expected)
+
+
+def test_cutout_zeroes_one_square_of_half_the_side_per_image_and_keeps_the_rest():
+    images = torch.rand(8, 1, 16, 16) + 1  # no zeros of their own
+    out = cutout(images, torch.Generator().manual_seed(0))
+    corners = set()
+    for image, cut in zip(images, out):
+        zeros = (cut[0] == 0).nonzero()
+        (top, left), (bottom, right) = zeros.min(0).values.tolist(), zeros.max(0).values.tolist()
+        assert len(zeros) == (bottom - top + 1) * (right - left + 1)  # one rectangle
+        assert bottom - top + 1 <= 8 and right - left + 1 <= 8 and len(zeros) >= 4 * 4  # 8 x 8, clipped at edges
+        assert torch.equal(cut[cut != 0], image[cut != 0])
+        corners.add((top, left))
+    assert len(corners) > 1
+
+
+def test_the_augmentation_is_differentiable_and_none_draws_nothing():
+    images = torch.randn(3, 3, 8, 8, dtype=torch.float64, requires_grad=True)
+    augment = Augment("color,translation,cutout")
+    assert torch.autograd.gradcheck(lambda x: augment(x, torch.Generator().manual_seed(1)), images)
+    draws = torch.Generator().manual_seed(1)
+    state = draws.get_state()
+    assert Augment("none")(images, draws) is images and torch.equal(draws.get_state(), state)
+
+
+@pytest.mark.parametrize("policy", ["translation,cutout", "none"])
+def test_the_discriminator_sees_augmented_real_and_generated_images_in_both_variants(tmp_path, monkeypatch, policy):
+    """Every image D sees, real or generated, in D's and in G's step, carries a cutout square; none: none."""
+    from gan.model import Discriminator
+    seen = {"plain": [], "wrapped": []}
+
+    def recording(variant):
+        class RecordingDiscriminator(Discriminator):
+            def forward(self, images):
+                seen[variant].append(images.detach().clone())
+                return super().forward(images)
+        return RecordingDiscriminator
+
+    monkeypatch.setattr(train_torch, "Discriminator", recording("plain"))
+    monkeypatch.setattr(train, "Discriminator", recording("wrapped"))
+    options = {**SMALL, "max_steps": 2, "augment": policy, "ema_decay": 0.0, "eval_samples": 8}
+    train_torch.main(Config(**options, out=str(tmp_path / "plain")))
+    train.main(Wrapped(**options, out=str(tmp_path / "wrapped"), accelerator="cpu"))
+    assert len(seen["plain"]) == 2 * 3  # real, generated (D step), generated (G step)
+    for a, b in zip(seen["plain"], seen["wrapped"]):
+        assert torch.equal(a, b)
+    zeros = torch.cat(seen["plain"]).eq(0).flatten(1).sum(1)  # exact zeros per image, of 32 x 32
+    if policy == "none":
+        assert zeros.max() < 8 * 8
+    else:
+        assert zeros.min() >= 8 * 8  # a 16 x 16 square, clipped to at least a quarter at a corner
