@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from benchmarks import maml_speed, overhead, parity
-from benchmarks.record import RESULTS, ROOT, bar_chart, results_dir, table, write
+from benchmarks.record import RESULTS, ROOT, bar_chart, environment, results_dir, table, write
 from benchmarks.workloads import WORKLOADS
 
 PARTS = ("overhead", "maml", "parity", "checkpoint", "quality")
@@ -231,9 +231,22 @@ def _quality_runs() -> list[tuple[str, str, list[str]]]:
     return runs + [("metalearn", "paper (10 query points), lr 5e-3 cosine", paper)]
 
 
-def run_quality() -> str:
+def run_quality(workloads=None) -> str:
+    """Run each workload's quality commands over SEEDS. `workloads`: rerun only these; the other rows stay as
+    the last full results have them, each row naming the commit it ran at."""
+    previous = {}
+    if workloads is not None:
+        results = json.loads((RESULTS / "quality.json").read_text())
+        for record in results["rows"]:
+            record.setdefault("commit", results["environment"]["commit"])
+            previous[record["workload"], record["setup"]] = record
+    commit = environment()["commit"]
     commands, records = [], []
     for name, setup, extra in _quality_runs():
+        if workloads is not None and name not in workloads and (name, setup) in previous:
+            records.append(previous[name, setup])
+            commands += [["-m", f"{name}.train", *extra, "--seed", str(seed)] for seed in SEEDS]
+            continue
         summaries = []
         for seed in SEEDS:
             command = ["-m", f"{name}.train", *extra, "--seed", str(seed)]  # the command a user runs
@@ -242,7 +255,7 @@ def run_quality() -> str:
             subprocess.run([sys.executable, *command, "--out", str(out)], cwd=ROOT, check=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
             summaries.append(json.loads((out / "summary.json").read_text()))
-        records.append({"workload": name, "setup": setup, "flags": extra, "summaries": summaries})
+        records.append({"workload": name, "setup": setup, "flags": extra, "summaries": summaries, "commit": commit})
     markdown = quality_markdown(records)
     write("quality", {"commands": commands}, records, markdown, threads="torch's default threads (one per core)")
     return markdown
@@ -277,8 +290,13 @@ def quality_markdown(records: list[dict]) -> str:
         f"{r['setup']}: " + ", ".join("diverged" if m is None else f"{m:.3f}" for m, _ in (
             _over_seeds([s["test_mse_steps"][k] for s in r["summaries"]]) for k in r["summaries"][0]["test_mse_steps"]))
         for r in records if r["workload"] == "metalearn")
-    return (f"Quality of the default commands on this machine, seeds {', '.join(map(str, SEEDS))} (mean, min-max "
-            f"and standard deviation over the seeds; a target is met by the mean; `python -m <workload>.train "
+    commits = {}
+    for r in records:
+        commits.setdefault(r.get("commit"), []).append(r["workload"])
+    ran_at = "" if len(commits) < 2 else "Rows run at different commits (`--workloads` reran part of them): " + \
+        "; ".join(f"{', '.join(dict.fromkeys(names))} at {commit}" for commit, names in commits.items()) + ".\n\n"
+    return (ran_at + f"Quality of the default commands on this machine, seeds {', '.join(map(str, SEEDS))} (mean, "
+            f"min-max and standard deviation over the seeds; a target is met by the mean; `python -m <workload>.train "
             f"--seed S`, the flags of the setup added):\n\n" +
             table(["workload", "setup", "metric", "mean", "over seeds", "target", "met", "train s (mean)",
                    "reference"], rows) +
@@ -331,13 +349,25 @@ def main(argv=None):
                         "writes benchmarks/results/quick/ only, never the full results or the README")
     parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {', '.join(PARTS)}")
     parser.add_argument("--no-readme", action="store_true", help="a full run: do not rewrite the README's tables")
+    parser.add_argument("--workloads", help=f"the quality part: rerun only these workloads' rows (comma-separated of "
+                        f"{', '.join(WORKLOADS)}), keeping the others from the last full results")
     args = parser.parse_args(argv)
     parts = args.only.split(",")
     unknown = set(parts) - set(PARTS)
     if unknown:
         parser.error(f"unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    workloads = None if args.workloads is None else args.workloads.split(",")
+    if workloads is not None:
+        if set(workloads) - set(WORKLOADS):
+            parser.error(f"--workloads: unknown workload(s) {sorted(set(workloads) - set(WORKLOADS))}; choose from "
+                         f"{', '.join(WORKLOADS)}")
+        if "quality" not in parts or args.quick:
+            parser.error("--workloads selects quality rows: pass it with --only quality (a full run, not --quick)")
+        if not (RESULTS / "quality.json").exists():
+            parser.error(f"--workloads reruns part of the quality rows, but {RESULTS / 'quality.json'} does not "
+                         f"exist yet; run the whole quality part first (--only quality without --workloads)")
     runs = {"overhead": run_overhead, "maml": run_maml, "parity": run_parity, "checkpoint": run_checkpoint,
-            "quality": lambda quick: run_quality()}
+            "quality": lambda quick: run_quality(workloads)}
     for part in PARTS:
         if part not in parts or (part == "quality" and args.quick):
             continue

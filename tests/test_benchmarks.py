@@ -3,6 +3,7 @@ as failing. No timing is asserted here."""
 import dataclasses
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -178,6 +179,48 @@ def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, 
     with pytest.raises(ZeroDivisionError):
         bench.main(["--only", "overhead,maml"])
     assert "### overhead" in readme.read_text()
+
+
+def test_quality_reruns_only_the_named_workloads_and_says_which_rows_are_older(results, monkeypatch):
+    committed = json.loads((record.ROOT / "benchmarks" / "results" / "quality.json").read_text())
+    (results / "quality.json").write_text(json.dumps(committed))
+    old = {(r["workload"], r["setup"]): r for r in committed["rows"]}
+    gan = old["gan", "default"]["summaries"]
+    ran, real_run = [], bench.subprocess.run
+
+    def run(command, **kwargs):  # a gan run: the committed summary of that seed with a better score
+        if "--seed" not in command:
+            return real_run(command, **kwargs)  # git, for the results' header
+        seed, out = int(command[command.index("--seed") + 1]), Path(command[command.index("--out") + 1])
+        ran.append(command[2])
+        out.mkdir(parents=True)
+        (out / "summary.json").write_text(json.dumps({**gan[seed], "fid_classifier": 0.5 + seed / 100}))
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    monkeypatch.setattr(bench, "environment", lambda: {"commit": "new1234"})
+    bench.main(["--only", "quality", "--workloads", "gan", "--no-readme"])
+
+    assert ran == ["gan.train"] * 3  # the other workloads did not run again
+    rows = {(r["workload"], r["setup"]): r for r in json.loads((results / "quality.json").read_text())["rows"]}
+    assert rows.keys() == old.keys()
+    assert [s["fid_classifier"] for s in rows["gan", "default"]["summaries"]] == [0.5, 0.51, 0.52]
+    assert rows["gan", "default"]["commit"] == "new1234"
+    for key in old.keys() - {("gan", "default")}:
+        assert rows[key]["summaries"] == old[key]["summaries"]
+        assert rows[key]["commit"] == committed["environment"]["commit"]
+    markdown = (results / "quality.md").read_text()
+    assert "| gan | default | fid_classifier | 0.51 | 0.5-0.52 (sd 0.01) | <= 0.9 | yes |" in markdown
+    assert (f"gan at new1234; autoencoder, metalearn at {committed['environment']['commit']}.") in markdown
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--only", "quality", "--workloads", "gans"], "unknown workload(s) ['gans']"),
+    (["--only", "parity", "--workloads", "gan"], "pass it with --only quality"),
+    (["--only", "quality", "--workloads", "gan"], "run the whole quality part first"),
+])
+def test_workloads_misuse_is_a_usage_error(argv, message, results, capsys):
+    with pytest.raises(SystemExit) as exit:
+        bench.main(argv)
+    assert exit.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_unknown_part_is_a_usage_error(capsys):
