@@ -147,7 +147,7 @@ def gan(config) -> dict:
                          pin_memory=device.type == "cuda")
 
     channels = CHANNELS[config.dataset]
-    generator = Generator(config.nz, config.ngf, channels, config.image_size).to(device)
+    generator = Generator(config.nz, config.ngf, channels, config.image_size, config.generator_native_size()).to(device)
     discriminator = Discriminator(config.ndf, channels, config.image_size).to(device)
     if config.compile:
         generator.compile()

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 from common.config import RunConfig, flag
 from gan.augment import POLICIES, parse_policy
-from gan.data import DATASETS
+from gan.data import DATASETS, NATIVE_SIZE
 
 
 @dataclass
@@ -20,13 +20,25 @@ class Config(RunConfig):
     eval_samples: int = flag(360, "generated images for the score (the digits held-out size)")
     ema_decay: float = flag(0.999, "decay of the exponential moving average of the generator's weights, which is "
                                    "scored beside the raw generator (0: no average)")
+    native_size: str = flag("auto", "side in px the generator draws at before the bilinear enlargement to --image-size "
+                            "that the loader gives the data (auto: the dataset's own where the loader enlarges "
+                            "it, 8 for digits, none for the others; 0: none, the paper's generator)")
     augment: str = flag("none", "DiffAugment of every image the discriminator sees, comma-separated from "
                         f"{', '.join(POLICIES)} (none: the paper's DCGAN)")
     eval_every: int = flag(0, "score the (average) generator every N steps, keeping checkpoints/best.ckpt at the "
                               "lowest FID (0: only at the end)")
 
+    def generator_native_size(self) -> int:
+        """--native-size as a side in px (0: none)."""
+        if self.native_size == "auto":
+            return NATIVE_SIZE.get(self.dataset, 0)
+        return int(self.native_size)
+
     def check(self):
         super().check()
+        if self.native_size != "auto" and not (self.native_size.isdigit() and int(self.native_size) < self.image_size):
+            raise ValueError(f"--native-size takes auto or a side in px from 0 to {self.image_size - 1} (below "
+                             f"--image-size), got {self.native_size!r}")
         if self.accumulate > 1:
             raise ValueError("--accumulate: the GAN's BatchNorm layers normalise each micro-batch by its own "
                              "statistics, so N micro-batches would not train like one batch N times larger; "

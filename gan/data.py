@@ -1,4 +1,4 @@
 """The GAN's data: the image datasets of common/images.py (digits by default), by name."""
-from common.images import CHANNELS, DATASETS, DatasetNotFound, load_images, make_loader
+from common.images import CHANNELS, DATASETS, NATIVE_SIZE, DatasetNotFound, load_images, make_loader
 
-__all__ = ["CHANNELS", "DATASETS", "DatasetNotFound", "load_images", "make_loader"]
+__all__ = ["CHANNELS", "DATASETS", "NATIVE_SIZE", "DatasetNotFound", "load_images", "make_loader"]

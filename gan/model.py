@@ -3,6 +3,7 @@
 Paper notation: `nz` latent size, `ngf`/`ndf` feature maps of the first generator / discriminator layer.
 The discriminator returns logits (train it with BCE-with-logits, which is safe under autocast).
 """
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -13,8 +14,14 @@ def _check_size(image_size: int) -> int:
 
 
 class Generator(nn.Module):
-    def __init__(self, nz: int = 64, ngf: int = 32, channels: int = 1, image_size: int = 32):
+    """`native_size` N > 0: the output is averaged down to N x N and enlarged back bilinearly, the way the loader
+    enlarges a dataset stored at N px (common/images.py, the 8x8 digits), so G draws only images of the kind the
+    data holds (at 32 px, the digits are 8x8 images and nothing finer). 0: the paper's generator. No parameters."""
+
+    def __init__(self, nz: int = 64, ngf: int = 32, channels: int = 1, image_size: int = 32, native_size: int = 0):
         super().__init__()
+        if not 0 <= native_size < image_size:
+            raise ValueError(f"native size must be in [0, {image_size}) (0: none), got {native_size}")
         extra = _check_size(image_size) - 1  # 0 for 32 px, 1 for 64 px
         width = ngf * 2 ** (2 + extra)
         layers = [nn.ConvTranspose2d(nz, width, 4, 1, 0, bias=False), nn.BatchNorm2d(width), nn.ReLU(True)]
@@ -26,11 +33,15 @@ class Generator(nn.Module):
         # state size: ngf x (image_size / 2) x (image_size / 2)
         layers += [nn.ConvTranspose2d(width, channels, 4, 2, 1, bias=False), nn.Tanh()]
         self.main = nn.Sequential(*layers)
-        self.nz = nz
+        self.nz, self.image_size, self.native_size = nz, image_size, native_size
         self.apply(init_weights)
 
     def forward(self, z):  # (B, nz, 1, 1) -> (B, channels, image_size, image_size) in [-1, 1]
-        return self.main(z)
+        images = self.main(z)
+        if self.native_size:  # averages and bilinear weights are convex: the images stay in [-1, 1]
+            images = F.interpolate(F.adaptive_avg_pool2d(images, self.native_size), size=self.image_size,
+                                   mode="bilinear", align_corners=False)
+        return images
 
 
 class Discriminator(nn.Module):

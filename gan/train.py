@@ -37,7 +37,7 @@ def main(config: Config) -> dict:
     loader = fabric.setup_dataloaders(loader)
 
     channels = CHANNELS[config.dataset]
-    generator = Generator(config.nz, config.ngf, channels, config.image_size)
+    generator = Generator(config.nz, config.ngf, channels, config.image_size, config.generator_native_size())
     discriminator = Discriminator(config.ndf, channels, config.image_size)
     optimizer_g = torch.optim.Adam(generator.parameters(), lr=config.lr, betas=(config.beta1, 0.999))
     optimizer_d = torch.optim.Adam(discriminator.parameters(), lr=config.lr, betas=(config.beta1, 0.999))

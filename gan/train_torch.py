@@ -42,7 +42,7 @@ def main(config: Config) -> dict:
                          pin_memory=device.type == "cuda")  # page-locked batches copy to the GPU asynchronously
 
     channels = CHANNELS[config.dataset]
-    generator = Generator(config.nz, config.ngf, channels, config.image_size).to(device)
+    generator = Generator(config.nz, config.ngf, channels, config.image_size, config.generator_native_size()).to(device)
     discriminator = Discriminator(config.ndf, channels, config.image_size).to(device)
     optimizer_g = torch.optim.Adam(generator.parameters(), lr=config.lr, betas=(config.beta1, 0.999))
     optimizer_d = torch.optim.Adam(discriminator.parameters(), lr=config.lr, betas=(config.beta1, 0.999))

@@ -221,3 +221,42 @@ def test_the_discriminator_sees_augmented_real_and_generated_images_in_both_vari
         assert zeros.max() < 8 * 8
     else:
         assert zeros.min() >= 8 * 8  # a 16 x 16 square, clipped to at least a quarter at a corner
+
+
+# --- --native-size ------------------------------------------------------------------------------
+def _enlarged_residual(images: torch.Tensor, native: int) -> float:
+    """How far `images` (B, 1, S, S) lie from every bilinear enlargement of a native x native image: the
+    largest least-squares residual against the S*S x native*native matrix of enlarged basis images."""
+    size = images.shape[-1]
+    basis = torch.eye(native * native, dtype=torch.float64).view(-1, 1, native, native)
+    U = torch.nn.functional.interpolate(basis, size=size, mode="bilinear", align_corners=False).view(-1, size * size)
+    flat = images.double().view(len(images), -1)
+    coefficients = torch.linalg.lstsq(U.T, flat.T).solution
+    return (U.T @ coefficients - flat.T).abs().max().item()
+
+
+def test_native_size_draws_images_of_the_kind_the_digits_are():
+    from gan.data import load_images
+    from gan.model import Generator
+
+    real = torch.stack([load_images("digits", None, 32)[i][0] for i in range(16)])
+    assert _enlarged_residual(real, 8) < 1e-5  # the premise: the digits at 32 px are enlarged 8x8 scans
+    noise = torch.randn(16, 16, 1, 1)
+    for image_size in (32, 64):
+        native = Generator(nz=16, ngf=8, image_size=image_size, native_size=8)(noise)
+        assert native.shape == (16, 1, image_size, image_size) and native.abs().max() <= 1
+        assert _enlarged_residual(native, 8) < 1e-5
+    assert _enlarged_residual(Generator(nz=16, ngf=8, native_size=0)(noise), 8) > 0.1  # the paper's draws finer
+    assert Config().generator_native_size() == 8 and Config(dataset="fake").generator_native_size() == 0
+    assert Config(native_size="0").generator_native_size() == 0
+
+
+def test_native_size_trains_alike_in_both_variants_and_changes_the_run(tmp_path):
+    options = dict(SMALL, max_steps=4, ema_decay=0.0)
+    train_torch.main(Config(**options, out=str(tmp_path / "plain")))  # digits: auto is 8
+    train.main(Wrapped(**options, out=str(tmp_path / "wrapped"), accelerator="cpu"))
+    train_torch.main(Config(**options, native_size="0", out=str(tmp_path / "paper")))
+    plain = torch.load(tmp_path / "plain" / "checkpoints" / "last.ckpt", weights_only=True)["generator"]
+    paper = torch.load(tmp_path / "paper" / "checkpoints" / "last.ckpt", weights_only=True)["generator"]
+    assert_close(plain, saved(tmp_path / "wrapped", "generator"), rtol=0, atol=0)
+    assert not torch.equal(plain["main.0.weight"], paper["main.0.weight"])
