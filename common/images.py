@@ -14,8 +14,9 @@ from common.data import download_failure, download_once
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "celeba", "folder", "fake")
 CHANNELS = {"digits": 1, "mnist": 1, "fashion-mnist": 1, "cifar10": 3, "celeba": 3, "folder": 3, "fake": 1}
-# The side of the images a dataset holds where the loader enlarges every one of them from that one size
-# (bilinearly, align_corners=False): the digits are 8x8 scans. A generator can draw at that size (--native-size).
+# The side the embedded digits are stored at (8x8 scans) before _digits enlarges them bilinearly (align_corners
+# False): the GAN's --native-size auto. Only where it was measured; for MNIST (28 px) or CIFAR-10 (32 px), which
+# torchvision resizes from 8-bit images, --native-size N sets it by hand.
 NATIVE_SIZE = {"digits": 8}
 
 # Where torchvision looks for each dataset under --data-root, and what it expects to find there.

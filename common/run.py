@@ -153,8 +153,13 @@ def check_resume_config(checkpoint: Path, config) -> None:
     saved_path = checkpoint.parent.parent / "config.json"
     if not saved_path.is_file():
         return  # a checkpoint copied out of its run directory: the model's shapes are still checked on load
-    saved = json.loads(saved_path.read_text())
+    # a flag the saved run predates counts as the value it ran with (the config's saved_before); a config may
+    # compare values by what they stand for (resume_comparable: the GAN's --native-size auto as a side in px)
+    saved = {**getattr(config, "saved_before", {}), **json.loads(saved_path.read_text())}
     current = dataclasses.asdict(config)
+    comparable = getattr(config, "resume_comparable", None)
+    if comparable:
+        saved, current = comparable(saved), comparable(current)
     differ = [f"{key} (checkpoint {saved[key]!r}, now {current[key]!r})" for key in current
               if key in saved and key not in RESUMABLE_CHANGES and saved[key] != current[key]]
     if saved.get("lr_schedule") == "cosine" and saved.get("max_steps") != current["max_steps"]:

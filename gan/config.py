@@ -21,24 +21,33 @@ class Config(RunConfig):
     ema_decay: float = flag(0.999, "decay of the exponential moving average of the generator's weights, which is "
                                    "scored beside the raw generator (0: no average)")
     native_size: str = flag("auto", "side in px the generator draws at before the bilinear enlargement to --image-size "
-                            "that the loader gives the data (auto: the dataset's own where the loader enlarges "
-                            "it, 8 for digits, none for the others; 0: none, the paper's generator)")
+                            "that the loader gives the data (auto: 8 for digits, where it was measured, 0 for the "
+                            "others; 0: none, the paper's generator)")
     augment: str = flag("none", "DiffAugment of every image the discriminator sees, comma-separated from "
-                        f"{', '.join(POLICIES)} (none: the paper's DCGAN)")
+                        f"{', '.join(POLICIES)} (none: no augmentation, the paper's)")
     eval_every: int = flag(0, "score the (average) generator every N steps, keeping checkpoints/best.ckpt at the "
                               "lowest FID (0: only at the end)")
 
+    # what a run saved before a flag existed ran with (common/run.py check_resume_config): such a run resumes
+    # only with that value, so an older run does not continue through a generator it was not trained with
+    saved_before = {"native_size": "0"}
+
     def generator_native_size(self) -> int:
         """--native-size as a side in px (0: none)."""
-        if self.native_size == "auto":
-            return NATIVE_SIZE.get(self.dataset, 0)
-        return int(self.native_size)
+        return native_side(self.native_size, self.dataset)
+
+    @staticmethod
+    def resume_comparable(values: dict) -> dict:
+        """The settings a resume compares, with --native-size auto as the side it stands for (auto and 8 on
+        digits resume each other)."""
+        return {**values, "native_size": str(native_side(values["native_size"], values["dataset"]))}
 
     def check(self):
         super().check()
-        if self.native_size != "auto" and not (self.native_size.isdigit() and int(self.native_size) < self.image_size):
+        side = str(self.native_size)
+        if side != "auto" and not (side.isdecimal() and side.isascii() and int(side) < self.image_size):
             raise ValueError(f"--native-size takes auto or a side in px from 0 to {self.image_size - 1} (below "
-                             f"--image-size), got {self.native_size!r}")
+                             f"--image-size), got {side!r}")
         if self.accumulate > 1:
             raise ValueError("--accumulate: the GAN's BatchNorm layers normalise each micro-batch by its own "
                              "statistics, so N micro-batches would not train like one batch N times larger; "
@@ -50,3 +59,8 @@ class Config(RunConfig):
             raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
         if self.eval_every and self.dataset == "fake":
             raise ValueError("--eval-every: fake data has no classes to score against; pass --eval-every 0")
+
+
+def native_side(value, dataset: str) -> int:
+    """--native-size's value as a side in px: auto is the dataset's NATIVE_SIZE, or 0 where it has none."""
+    return NATIVE_SIZE.get(dataset, 0) if str(value) == "auto" else int(value)

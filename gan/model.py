@@ -1,4 +1,5 @@
-"""DCGAN generator and discriminator (Radford et al., 2016), for 32 or 64 px images.
+"""DCGAN generator and discriminator (Radford et al., 2016), for 32 or 64 px images; the generator can end at
+the data's native size (`native_size`: the digits' 8x8).
 
 Paper notation: `nz` latent size, `ngf`/`ndf` feature maps of the first generator / discriminator layer.
 The discriminator returns logits (train it with BCE-with-logits, which is safe under autocast).

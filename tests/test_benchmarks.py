@@ -183,6 +183,8 @@ def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, 
 
 def test_quality_reruns_only_the_named_workloads_and_says_which_rows_are_older(results, monkeypatch):
     committed = json.loads((record.ROOT / "benchmarks" / "results" / "quality.json").read_text())
+    for row in committed["rows"]:  # older rows: one commit, and one setup run otherwise by hand
+        row["commit"], row["threads"] = "old5678", "1 thread" if row["setup"] != "default" else bench.DEFAULT_THREADS
     (results / "quality.json").write_text(json.dumps(committed))
     old = {(r["workload"], r["setup"]): r for r in committed["rows"]}
     gan = old["gan", "default"]["summaries"]
@@ -204,12 +206,13 @@ def test_quality_reruns_only_the_named_workloads_and_says_which_rows_are_older(r
     assert rows.keys() == old.keys()
     assert [s["fid_classifier"] for s in rows["gan", "default"]["summaries"]] == [0.5, 0.51, 0.52]
     assert rows["gan", "default"]["commit"] == "new1234"
-    kept = old["autoencoder", "default"].get("commit", committed["environment"]["commit"])  # a row's own, if any
     for key in old.keys() - {("gan", "default")}:
-        assert rows[key]["summaries"] == old[key]["summaries"] and rows[key]["commit"] == kept
+        assert rows[key]["summaries"] == old[key]["summaries"] and rows[key]["commit"] == "old5678"
     markdown = (results / "quality.md").read_text()
     assert "| gan | default | fid_classifier | 0.51 | 0.5-0.52 (sd 0.01) | <= 0.9 | yes |" in markdown
-    assert f"gan at new1234; autoencoder, metalearn at {kept}." in markdown
+    assert "gan at new1234; autoencoder, metalearn at old5678." in markdown
+    assert "torch's default threads (one per core); metalearn paper (10 query points), lr 5e-3 cosine: 1 thread per" \
+        in markdown.splitlines()[0]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -222,6 +222,7 @@ def test_missing_dataset_says_where_the_files_must_be(tmp_path, name):
     (["--augment", "translation,rotate"], "--augment takes 'none' or a comma-separated list of color, translation"),
     (["--native-size", "32"], "--native-size takes auto or a side in px from 0 to 31 (below --image-size), got '32'"),
     (["--native-size", "eight"], "--native-size takes auto or a side in px from 0 to 31"),
+    (["--native-size", "²"], "--native-size takes auto or a side in px from 0 to 31"),
 ])
 def test_cli_misuse_exits_2_with_one_line(args, message, tmp_path):
     result = run(["-m", "gan.train", *args, "--out", str(tmp_path / "run")], check=False, timeout=60)

@@ -260,3 +260,20 @@ def test_native_size_trains_alike_in_both_variants_and_changes_the_run(tmp_path)
     paper = torch.load(tmp_path / "paper" / "checkpoints" / "last.ckpt", weights_only=True)["generator"]
     assert_close(plain, saved(tmp_path / "wrapped", "generator"), rtol=0, atol=0)
     assert not torch.equal(plain["main.0.weight"], paper["main.0.weight"])
+
+
+@pytest.mark.slow  # five short runs, each with its final score
+def test_a_run_from_before_native_size_resumes_only_with_the_paper_generator(tmp_path):
+    options = dict(SMALL, max_steps=2, ema_decay=0.0)
+    train_torch.main(Config(**options, native_size="0", out=str(tmp_path / "old")))
+    config_json = tmp_path / "old" / "config.json"
+    saved = json.loads(config_json.read_text())
+    del saved["native_size"]  # the config.json of a run started before the flag existed
+    config_json.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"native_size \(checkpoint '0', now '8'\)"):  # the default on digits
+        train_torch.main(Config(**dict(options, max_steps=3), resume=str(tmp_path / "old")))
+    train_torch.main(Config(**dict(options, max_steps=3), native_size="0", resume=str(tmp_path / "old")))
+
+    train_torch.main(Config(**options, out=str(tmp_path / "auto")))  # auto and 8 stand for the same generator
+    train_torch.main(Config(**dict(options, max_steps=3), native_size="8", resume=str(tmp_path / "auto")))
+    assert json.loads((tmp_path / "auto" / "summary.json").read_text())["steps"] == 3
