@@ -201,13 +201,13 @@ def _stop_check_rank(rank: int, steps: int, port: int, queue) -> None:
 
 
 def import_times(repeats: int = 7) -> dict:
-    def seconds(code):
-        values = []
-        for _ in range(repeats):
+    """Each import in a fresh interpreter, the two alternating, so a change of the host's load or file cache
+    during the measurement falls on both alike."""
+    seconds = {"import torch": [], "import core": []}
+    for _ in range(repeats):
+        for code, values in seconds.items():
             start = time.perf_counter()
             subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
             values.append(time.perf_counter() - start)
-        return spread(values)
-
-    torch_time, core_time = seconds("import torch"), seconds("import core")
+    torch_time, core_time = spread(seconds["import torch"]), spread(seconds["import core"])
     return {"torch_s": torch_time, "core_s": core_time, "ratio": core_time["median"] / torch_time["median"]}
