@@ -245,14 +245,13 @@ def run_quality(workloads=None) -> str:
     commit = environment()["commit"]
     commands, records = [], []
     for name, setup, extra in _quality_runs():
+        seed_commands = [["-m", f"{name}.train", *extra, "--seed", str(seed)] for seed in SEEDS]  # what a user runs
+        commands += seed_commands
         if workloads is not None and name not in workloads and (name, setup) in previous:
             records.append(previous[name, setup])
-            commands += [["-m", f"{name}.train", *extra, "--seed", str(seed)] for seed in SEEDS]
             continue
         summaries = []
-        for seed in SEEDS:
-            command = ["-m", f"{name}.train", *extra, "--seed", str(seed)]  # the command a user runs
-            commands.append(command)
+        for seed, command in zip(SEEDS, seed_commands):
             out = RESULTS / "runs" / f"{name}-{'paper' if extra else 'default'}-seed{seed}"
             subprocess.run([sys.executable, *command, "--out", str(out)], cwd=ROOT, check=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
