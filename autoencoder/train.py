@@ -15,8 +15,8 @@ from autoencoder.data import CHANNELS, load_splits, make_loader
 from autoencoder.model import AutoEncoder
 from autoencoder.report import evaluate, finish
 from common.config import cli
-from common.run import (Bookkeeping, RunDir, StopRequests, accumulated, check_resume_config, lr_scheduler,
-                        resume_path, write_config)
+from common.run import Bookkeeping, StopRequests, accumulated, lr_scheduler
+from common.rundir import RunDir
 from core import Fabric
 from core.cli import FabricFlags
 
@@ -26,7 +26,7 @@ def main(config: Config) -> dict:
     fabric.launch()
     rank, world_size, device = fabric.global_rank, fabric.world_size, fabric.device
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out or config.resume, "autoencoder", write=rank == 0, broadcast=fabric.broadcast)
+    run = RunDir(config.out, "autoencoder", write=rank == 0, broadcast=fabric.broadcast)
 
     train_set, test_set = load_splits(config.dataset, config.data_root, config.image_size, config.download)
     loader = make_loader(train_set, config.batch_size, config.seed, config.num_workers, rank, world_size,
@@ -44,14 +44,11 @@ def main(config: Config) -> dict:
 
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     if config.resume:
-        check_resume_config(resume_path(config.resume), config)
-        fabric.load(resume_path(config.resume), state)
-        run.truncate_metrics(state["step"])
-    write_config(run, config)
+        fabric.load(config.resume, state)
+    run.start(config, state["step"])  # config.json; the metrics up to the resumed step
 
     stop = StopRequests(device, fabric.all_reduce)  # signals and NaNs, all ranks together
-    loop = Bookkeeping(config, state, run, stop, "autoencoder", config.batch_size * world_size * config.accumulate,
-                       config.loggers(run.path, state["step"]))
+    loop = Bookkeeping(config, state, run, stop, "autoencoder", config.batch_size * world_size * config.accumulate)
     started = time.time()
     for step, micro_batches in accumulated(loader, state["step"], config.accumulate):
         if step >= config.max_steps:

@@ -19,9 +19,9 @@ from autoencoder.data import CHANNELS, load_splits, make_loader
 from autoencoder.model import AutoEncoder
 from autoencoder.report import evaluate, finish
 from common.config import cli
-from common.run import (Bookkeeping, RunDir, StopRequests, accumulated, check_resume_config, lr_scheduler,
-                        resume_path, write_config)
-from common.run import load_plain
+from common.plain_checkpoint import load_plain
+from common.run import Bookkeeping, StopRequests, accumulated, lr_scheduler
+from common.rundir import RunDir
 
 
 def main(config: Config) -> dict:
@@ -34,7 +34,7 @@ def main(config: Config) -> dict:
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out or config.resume, "autoencoder", write=rank == 0)
+    run = RunDir(config.out, "autoencoder", write=rank == 0)
 
     train_set, test_set = load_splits(config.dataset, config.data_root, config.image_size, config.download)
     loader = make_loader(train_set, config.batch_size, config.seed, config.num_workers, rank, world_size,
@@ -51,10 +51,8 @@ def main(config: Config) -> dict:
 
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     if config.resume:
-        check_resume_config(resume_path(config.resume), config)
-        load_plain(resume_path(config.resume), state, device)
-        run.truncate_metrics(state["step"])
-    write_config(run, config)
+        load_plain(config.resume, state, device)
+    run.start(config, state["step"])  # config.json; the metrics up to the resumed step
 
     stop = StopRequests(device, dist.all_reduce if world_size > 1 else None)  # signals and NaNs, all ranks together
     loop = Bookkeeping(config, state, run, stop, "autoencoder", config.batch_size * world_size * config.accumulate)

@@ -8,6 +8,7 @@ side by side: final metrics, weight difference, and one plot with both loss curv
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,7 @@ def main(argv=None):
             "wrapped": [sys.executable, "-m", f"{args.workload}.train", *common, "--strategy", args.strategy,
                         "--devices", args.devices, "--out", str(out / "wrapped")]}
     summaries, metrics = {}, {}
+    shutil.rmtree(out, ignore_errors=True)  # both runs of an earlier comparison
     for name, command in runs.items():
         print(f"{name}: {' '.join(command[1:])}", flush=True)
         subprocess.run(command, cwd=ROOT, env=env, check=True)

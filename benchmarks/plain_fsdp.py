@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor
 
 from common.config import cli
 from common.ema import EMA
-from common.run import Bookkeeping, RunDir, StopRequests, accumulated, batches, lr_scheduler, step_generator, \
-    write_config
+from common.run import Bookkeeping, StopRequests, accumulated, batches, lr_scheduler, step_generator
+from common.rundir import RunDir
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors on rank 0's CPU, {} elsewhere
 
@@ -95,7 +95,7 @@ def autoencoder(config) -> dict:
     scheduler = lr_scheduler(optimizer, config)
 
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
-    write_config(run, config)
+    run.start(config, 0)
 
     stop = StopRequests(device, dist.all_reduce)
     loop = Bookkeeping(config, state, run, stop, "autoencoder", config.batch_size * world_size * config.accumulate)
@@ -164,7 +164,7 @@ def gan(config) -> dict:
              "optimizer_d": optimizer_d, "scheduler_g": scheduler_g, "scheduler_d": scheduler_d, "ema": ema,
              "best_fid": float("inf"), "best_step": 0, "step": 0}
     models = {"optimizer_g": "generator", "optimizer_d": "discriminator"}
-    write_config(run, config)
+    run.start(config, 0)
 
     fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(1)).to(device)
     eval_noise = torch.randn(config.eval_samples, config.nz, 1, 1, generator=torch.Generator().manual_seed(1))

@@ -13,15 +13,16 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 
-from benchmarks import maml_speed, overhead, parity
+from benchmarks import cadence, maml_speed, overhead, parity
 from benchmarks.record import RESULTS, ROOT, bar_chart, environment, results_dir, table, write
 from benchmarks.workloads import WORKLOADS
 
-PARTS = ("overhead", "maml", "parity", "checkpoint", "quality")
+PARTS = ("overhead", "maml", "parity", "checkpoint", "cadence", "quality")
 # plus each workload's noise floor (A/A rows); only where the plain side runs the same strategy (parity.plain_reference)
 TARGETS = {"single": 1.03, "ddp": 1.05, "fsdp": 1.05}
 NOT_INSTALLED = "not installed: pip install -e '.[bench]'"
@@ -253,6 +254,7 @@ def run_quality(workloads=None) -> str:
         summaries = []
         for seed, command in zip(SEEDS, seed_commands):
             out = RESULTS / "runs" / f"{name}-{'paper' if extra else 'default'}-seed{seed}"
+            shutil.rmtree(out, ignore_errors=True)  # the benchmark's own scratch run of an earlier invocation
             subprocess.run([sys.executable, *command, "--out", str(out)], cwd=ROOT, check=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
             summaries.append(json.loads((out / "summary.json").read_text()))
@@ -372,13 +374,13 @@ def main(argv=None):
             parser.error(f"--workloads reruns part of the quality rows, but {RESULTS / 'quality.json'} does not "
                          f"exist yet; run the whole quality part first (--only quality without --workloads)")
     runs = {"overhead": run_overhead, "maml": run_maml, "parity": run_parity, "checkpoint": run_checkpoint,
-            "quality": lambda quick: run_quality(workloads)}
+            "cadence": cadence.run_cadence, "quality": lambda quick: run_quality(workloads)}
     for part in PARTS:
         if part not in parts or (part == "quality" and args.quick):
             continue
         markdown = runs[part](args.quick)
         print(markdown)
-        if not args.quick and not args.no_readme:  # part by part: a part that fails later loses no table
+        if not args.quick and not args.no_readme and part != "cadence":  # part by part: a later failure loses none
             update_readme({"maml_speed" if part == "maml" else part: markdown})
     if args.quick:
         print(f"Quick results are in {results_dir(True)}; README.md and the full results are unchanged.")

@@ -7,8 +7,12 @@ exits with status 2 and one line: `python -m gan.train: error: ...`.
 """
 import argparse
 import dataclasses
+import os
+import signal
 import sys
 from dataclasses import dataclass, field
+
+from common.rundir import resolve_run
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,9 +65,14 @@ def parse(config_class, argv=None, prog=None, description=None):
             kind = f.metadata["type"]
         parser.add_argument(name, type=kind or str, **kwargs)
     config = config_class(**vars(parser.parse_args(argv)))
+    for action in parser._actions:  # parsed again without defaults: what is left was on the command line
+        action.default = argparse.SUPPRESS
+    config.given = set(vars(parser.parse_args(argv)))  # (a resume takes the others from the run's config.json)
     try:
         if hasattr(config, "check"):
             config.check()
+        if hasattr(config, "resume"):
+            resolve_run(config, (prog or "").split(" -m ")[-1].split(".")[0])  # where it writes, what it resumes
     except ValueError as error:
         parser.error(str(error))
     return config
@@ -72,13 +81,17 @@ def parse(config_class, argv=None, prog=None, description=None):
 def cli(main, *config_classes, prog: str, description: str = ""):
     """Run `main(config)` from the command line: bad input (flags, data, checkpoints: ValueError and
     FileNotFoundError) exits with status 2 and one line, a diverged run (FloatingPointError) with 1 and
-    one line; anything else is a bug and keeps its traceback. Before such an exit, `config.on_failure()`
-    (where the config has one: core's flags) tells the launcher not to wait for the other ranks."""
+    one line; anything else is a bug and keeps its traceback. SUITE_TRACEBACK=1 in the environment keeps
+    the traceback of the one-line errors too. Before such an exit, `config.on_failure()` (where the config
+    has one: core's flags) tells the launcher not to wait for the other ranks."""
     config = parse(merge(*config_classes), prog=prog, description=description)
     failing = getattr(config, "on_failure", lambda: None)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         return main(config)
     except (ValueError, FileNotFoundError) as error:
+        if os.environ.get("SUITE_TRACEBACK", "0") not in ("", "0"):
+            raise
         failing()
         error_exit(prog, str(error))
     except FloatingPointError as error:  # the run diverged: not misuse, but no traceback is needed either
@@ -90,6 +103,9 @@ def cli(main, *config_classes, prog: str, description: str = ""):
         sys.stderr.write(f"{prog}: interrupted outside the training loop; nothing after the last checkpoint "
                          f"was saved\n")
         sys.exit(130)
+    finally:  # the loop's stop handlers (StopRequests) end with main, also when it raised
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 def error_exit(prog: str, message: str):
@@ -104,9 +120,11 @@ class RunConfig:
     seed: int = flag(0, "random seed (weights, data order, noise)")
     max_steps: int = flag(1000, "optimizer steps to train for (meta-iterations for metalearn)")
     batch_size: int = flag(64, "examples per step on each process")
-    out: str = flag("", "run directory (metrics, checkpoints, plots); default runs/<workload>-<time>")
-    resume: str = flag("", "continue a run exactly: a run directory, or a checkpoint (a file; fsdp, DeepSpeed: a folder)")
-    checkpoint_every: int = flag(0, "save checkpoints/last.ckpt every N steps (0: only at the end)")
+    out: str = flag("", "run directory (metrics, checkpoints, plots); a directory that holds a run is written only by "
+                        "--resume; default: the resumed run's, else a new runs/<workload>-<time>[-N]")
+    resume: str = flag("", "continue a run exactly, with its own flags: a run directory, or a checkpoint (a file; "
+                           "fsdp, DeepSpeed: a folder); auto: the newest checkpoint in --out, or a new run there")
+    checkpoint_every: int = flag(500, "save checkpoints/last.ckpt every N steps, and at the end (0: only at the end)")
     dataset: str = flag("digits", "dataset name")
     data_root: str = flag("data", "folder that holds (or receives, with --download) the dataset files")
     download: bool = flag(False, "download the dataset into --data-root if it is missing (needs internet)")

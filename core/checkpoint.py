@@ -95,12 +95,15 @@ def load_checkpoint(path, raw: bool = False) -> dict:
                 f"{path} holds pickled objects that are not plain tensors and containers, so it was refused "
                 f"without running any of it (weights_only loading). Only load files you trust. "
                 f"{detail[:200]}") from None
-        detail = next((line for line in lines if "error" in line.lower() and "Weights only" not in line), lines[-1])
+        # torch's text around the cause: the advice to file an issue or rerun unsafely is not for this case
+        advice = ("Weights only", "Please file an issue", "Check the documentation", "Re-running")
+        detail = next((line for line in lines if not line.startswith(advice)), lines[-1])
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt: {detail[:200]}). "
-                              f"Resume from an earlier checkpoint.") from None
+                              f"Resume from an earlier checkpoint.") from error
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as error:
-        raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt: {error}). "
-                              f"Resume from an earlier checkpoint.") from None
+        reason = str(error).split(". Please file an issue")[0].splitlines()[0][:200]  # torch's advice is not ours
+        raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt: {reason}). "
+                              f"Resume from an earlier checkpoint.") from error
     if raw and isinstance(data, dict) and data.get("format") != FORMAT:
         return data
     if not isinstance(data, dict) or data.get("format") != FORMAT:

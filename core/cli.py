@@ -61,7 +61,7 @@ class FabricFlags:
         `start_step` keeps the CSV rows up to that step."""
         from core.loggers import CSVLogger, TensorBoardLogger
         if self.logger == "csv":
-            return [CSVLogger(run_dir, start_step=start_step)]
+            return [CSVLogger(run_dir, flush_every=1, start_step=start_step)]  # agrees with metrics.jsonl after a kill
         return [TensorBoardLogger(Path(run_dir) / "tensorboard")] if self.logger == "tensorboard" else []
 
     def fabric_options(self) -> dict:

@@ -103,19 +103,32 @@ def load_into(path, held: dict) -> dict:
 
     reader = SafeReader(str(path))
     metadata = reader.read_metadata()
+    # every rank reads the same metadata, so all of them refuse together, before any waits in a collective
+    files = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+    absent = sorted(name for name in files if name and not (Path(path) / name).exists())
+    if absent:
+        raise checkpoint.CheckpointError(
+            f"The sharded checkpoint {path} lacks {', '.join(absent)}: every rank writes its own shard files, so "
+            f"the run directory must be on a filesystem all nodes share. Copy the missing files in, or resume "
+            f"from another checkpoint.")
     saved = {(metadata.planner_data or {}).get(key, (key,))[0] for key in metadata.state_dict_metadata}
     targets = {key: value for key, value in split(held)[0].items() if key in saved}
     try:
         dcp.load(targets, storage_reader=reader)
         return targets
-    except checkpoint.CheckpointError:
-        raise
-    except (Exception, CheckpointException) as error:  # the latter, a BaseException, carries each rank's failure
-        missing = [line.strip() for line in str(error).splitlines() if "Missing key" in line or "Size mismatch" in line]
-        detail = "; ".join(dict.fromkeys(missing))[:600] or str(error).splitlines()[0][:300]
+    except CheckpointException as error:  # a BaseException that carries each rank's failure
+        text = "\n".join([str(error), *(str(failure) for failure in getattr(error, "failures", {}).values())])
+        mismatch = [line.strip() for line in text.splitlines() if "Missing key" in line or "Size mismatch" in line]
+        if not mismatch:
+            raise checkpoint.CheckpointError(f"The sharded checkpoint {path} could not be read: "
+                                             f"{text.splitlines()[-1][:300]}") from error
         raise checkpoint.CheckpointError(f"The sharded checkpoint {path} does not match the model or optimizer: "
-                                         f"{detail}. Was it saved from a model of another shape, or with another "
-                                         f"optimizer?") from None
+                                         f"{'; '.join(dict.fromkeys(mismatch))[:600]}. Was it saved from a model of "
+                                         f"another shape, or with another optimizer?") from error
+    except RuntimeError as error:  # DCP's planner: keys or shapes that the model does not have
+        raise checkpoint.CheckpointError(f"The sharded checkpoint {path} does not match the model or optimizer: "
+                                         f"{str(error).splitlines()[0][:600]}. Was it saved from a model of "
+                                         f"another shape, or with another optimizer?") from error
 
 
 def read_full(path) -> dict:

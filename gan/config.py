@@ -28,7 +28,7 @@ class Config(RunConfig):
     eval_every: int = flag(0, "score the (average) generator every N steps, keeping checkpoints/best.ckpt at the "
                               "lowest FID (0: only at the end)")
 
-    # what a run saved before a flag existed ran with (common/run.py check_resume_config): such a run resumes
+    # what a run saved before a flag existed ran with (common/rundir.py check_resume_config): such a run resumes
     # only with that value, so an older run does not continue through a generator it was not trained with
     saved_before = {"native_size": "0"}
 

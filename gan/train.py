@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from common.config import cli
 from common.ema import EMA
-from common.run import (Bookkeeping, RunDir, StopRequests, batches, check_resume_config, lr_scheduler, resume_path,
-                        step_generator, write_config)
+from common.run import Bookkeeping, StopRequests, batches, lr_scheduler, step_generator
+from common.rundir import RunDir
 from core import Fabric
 from core.cli import FabricFlags
 from gan.augment import Augment
@@ -29,7 +29,7 @@ def main(config: Config) -> dict:
     fabric.launch()
     rank, world_size, device = fabric.global_rank, fabric.world_size, fabric.device
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out or config.resume, "gan", write=rank == 0, broadcast=fabric.broadcast)
+    run = RunDir(config.out, "gan", write=rank == 0, broadcast=fabric.broadcast)
 
     dataset = load_images(config.dataset, config.data_root, config.image_size, download=config.download)
     loader = make_loader(dataset, config.batch_size, config.seed, config.num_workers, rank, world_size,
@@ -57,17 +57,14 @@ def main(config: Config) -> dict:
              "optimizer_d": optimizer_d, "scheduler_g": scheduler_g, "scheduler_d": scheduler_d, "ema": ema,
              "best_fid": float("inf"), "best_step": 0, "step": 0}
     if config.resume:
-        check_resume_config(resume_path(config.resume), config)
-        fabric.load(resume_path(config.resume), state)
-        run.truncate_metrics(state["step"])
-    write_config(run, config)
+        fabric.load(config.resume, state)
+    run.start(config, state["step"])  # config.json; the metrics up to the resumed step
 
     fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(1)).to(device)
     eval_noise = torch.randn(config.eval_samples, config.nz, 1, 1, generator=torch.Generator().manual_seed(1))
     eval_noise = eval_noise.to(device)
     stop = StopRequests(device, fabric.all_reduce)  # signals and NaNs, all ranks together
-    loop = Bookkeeping(config, state, run, stop, "gan", config.batch_size * world_size,
-                       config.loggers(run.path, state["step"]))
+    loop = Bookkeeping(config, state, run, stop, "gan", config.batch_size * world_size)
     started = time.time()
     for step, (real, _) in batches(loader, state["step"]):
         if step >= config.max_steps:

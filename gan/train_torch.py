@@ -15,9 +15,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common.config import cli
 from common.ema import EMA
-from common.run import (Bookkeeping, RunDir, StopRequests, batches, check_resume_config, lr_scheduler, resume_path,
-                        step_generator, write_config)
-from common.run import load_plain
+from common.plain_checkpoint import load_plain
+from common.run import Bookkeeping, StopRequests, batches, lr_scheduler, step_generator
+from common.rundir import RunDir
 from gan.augment import Augment
 from gan.config import Config
 from gan.data import CHANNELS, load_images, make_loader
@@ -35,7 +35,7 @@ def main(config: Config) -> dict:
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out or config.resume, "gan", write=rank == 0)
+    run = RunDir(config.out, "gan", write=rank == 0)
 
     dataset = load_images(config.dataset, config.data_root, config.image_size, download=config.download)
     loader = make_loader(dataset, config.batch_size, config.seed, config.num_workers, rank, world_size,
@@ -62,10 +62,8 @@ def main(config: Config) -> dict:
              "optimizer_d": optimizer_d, "scheduler_g": scheduler_g, "scheduler_d": scheduler_d, "ema": ema,
              "best_fid": float("inf"), "best_step": 0, "step": 0}
     if config.resume:
-        check_resume_config(resume_path(config.resume), config)
-        load_plain(resume_path(config.resume), state, device)
-        run.truncate_metrics(state["step"])
-    write_config(run, config)
+        load_plain(config.resume, state, device)
+    run.start(config, state["step"])  # config.json; the metrics up to the resumed step
 
     fixed_noise = torch.randn(64, config.nz, 1, 1, generator=torch.Generator().manual_seed(1)).to(device)
     eval_noise = torch.randn(config.eval_samples, config.nz, 1, 1, generator=torch.Generator().manual_seed(1))

@@ -10,8 +10,8 @@ import time
 import torch
 
 from common.config import cli
-from common.run import (Bookkeeping, RunDir, StopRequests, check_resume_config, lr_scheduler, resume_path,
-                        step_generator, write_config)
+from common.run import Bookkeeping, StopRequests, lr_scheduler, step_generator
+from common.rundir import RunDir
 from core import Fabric
 from core.cli import FabricFlags
 from metalearn.config import Config
@@ -26,7 +26,7 @@ def main(config: Config) -> dict:
     fabric.launch()
     rank, world_size, device = fabric.global_rank, fabric.world_size, fabric.device
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out or config.resume, "metalearn", write=rank == 0, broadcast=fabric.broadcast)
+    run = RunDir(config.out, "metalearn", write=rank == 0, broadcast=fabric.broadcast)
 
     tasks = make_tasks(config.dataset, config.ways, True, config.data_root, config.download)
     test_tasks = make_tasks(config.dataset, config.ways, False, config.data_root, config.download)
@@ -43,14 +43,11 @@ def main(config: Config) -> dict:
 
     state = {"learner": learner, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     if config.resume:
-        check_resume_config(resume_path(config.resume), config)
-        fabric.load(resume_path(config.resume), state)
-        run.truncate_metrics(state["step"])
-    write_config(run, config)
+        fabric.load(config.resume, state)
+    run.start(config, state["step"])  # config.json; the metrics up to the resumed step
 
     stop = StopRequests(device, fabric.all_reduce)  # signals and NaNs, all ranks together
-    loop = Bookkeeping(config, state, run, stop, "metalearn", config.batch_size * config.accumulate,
-                       config.loggers(run.path, state["step"]))
+    loop = Bookkeeping(config, state, run, stop, "metalearn", config.batch_size * config.accumulate)
     started = time.time()
     tasks_per_step = config.batch_size * config.accumulate
     for step in range(state["step"], config.max_steps):

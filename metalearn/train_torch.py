@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from common.config import cli
-from common.run import (Bookkeeping, RunDir, StopRequests, check_resume_config, lr_scheduler, resume_path,
-                        step_generator, write_config)
-from common.run import load_plain
+from common.plain_checkpoint import load_plain
+from common.run import Bookkeeping, StopRequests, lr_scheduler, step_generator
+from common.rundir import RunDir
 from metalearn.config import Config
 from metalearn.data import make_tasks
 from metalearn.maml import MetaLearner
@@ -34,7 +34,7 @@ def main(config: Config) -> dict:
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out or config.resume, "metalearn", write=rank == 0)
+    run = RunDir(config.out, "metalearn", write=rank == 0)
 
     tasks = make_tasks(config.dataset, config.ways, True, config.data_root, config.download)
     test_tasks = make_tasks(config.dataset, config.ways, False, config.data_root, config.download)
@@ -51,10 +51,8 @@ def main(config: Config) -> dict:
 
     state = {"learner": learner, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     if config.resume:
-        check_resume_config(resume_path(config.resume), config)
-        load_plain(resume_path(config.resume), state, device)
-        run.truncate_metrics(state["step"])
-    write_config(run, config)
+        load_plain(config.resume, state, device)
+    run.start(config, state["step"])  # config.json; the metrics up to the resumed step
 
     stop = StopRequests(device, dist.all_reduce if world_size > 1 else None)  # signals and NaNs, all ranks together
     loop = Bookkeeping(config, state, run, stop, "metalearn", config.batch_size * config.accumulate)

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.rundir import resolve_run
+
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -39,3 +41,12 @@ def run(args, timeout=240, check=True, env=None, **kwargs):
     if check and result.returncode != 0:
         raise AssertionError(f"{args} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def resolved(config_class, **fields):
+    """`config_class(**fields)` as the command line gives it with these flags typed, after the run-directory rule
+    (a resume takes the flags not typed from the run's config.json)."""
+    config = config_class(**fields)
+    config.given = set(fields)
+    resolve_run(config)
+    return config

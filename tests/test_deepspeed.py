@@ -65,7 +65,7 @@ def test_clip_gradients_says_what_to_set():
 
 
 def test_resume_takes_a_run_directory_or_a_checkpoint_directory(tmp_path):
-    from common.run import resume_path
+    from common.rundir import resume_path
 
     checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"  # what DeepSpeed's fabric.save writes
     checkpoint.mkdir(parents=True)

@@ -17,7 +17,7 @@ from core.cli import FabricFlags
 from gan import train, train_torch
 from gan.config import Config
 from gan.data import DatasetNotFound, load_images
-from tests.conftest import TORCHRUN, run
+from tests.conftest import TORCHRUN, resolved, run
 
 TINY = {**WORKLOADS["gan"].generated_data, **WORKLOADS["gan"].small, "log_every": 2, "sample_every": 1000}
 
@@ -66,7 +66,7 @@ def test_resume_continues_exactly(tmp_path):
     config = merge(Config, FabricFlags)
     train.main(config(**TINY, max_steps=8, out=str(tmp_path / "full"), accelerator="cpu"))
     train.main(config(**TINY, max_steps=4, out=str(tmp_path / "half"), accelerator="cpu"))
-    train.main(config(**TINY, max_steps=8, resume=str(tmp_path / "half"), accelerator="cpu"))
+    train.main(resolved(config, **TINY, max_steps=8, resume=str(tmp_path / "half"), accelerator="cpu"))
     assert_equal(weights(tmp_path / "full"), weights(tmp_path / "half"))
     steps = [r["step"] for r in map(json.loads, (tmp_path / "half" / "metrics.jsonl").read_text().splitlines())]
     assert steps == [2, 4, 6, 8]  # each logged step once, across the resume
@@ -236,7 +236,7 @@ def test_logs_go_to_the_chosen_logger_too_and_survive_a_resume(tmp_path):
     import csv
     config = merge(Config, FabricFlags)
     train.main(config(**TINY, max_steps=4, out=str(tmp_path / "run"), accelerator="cpu"))  # --logger csv: default
-    train.main(config(**TINY, max_steps=8, resume=str(tmp_path / "run"), accelerator="cpu"))
+    train.main(resolved(config, **TINY, max_steps=8, resume=str(tmp_path / "run"), accelerator="cpu"))
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
     assert [int(row["step"]) for row in rows] == [r["step"] for r in records] == [2, 4, 6, 8]

@@ -14,7 +14,7 @@ from core.cli import FabricFlags
 from gan import train, train_torch
 from gan.augment import Augment, cutout, translation
 from gan.config import Config
-from tests.conftest import run
+from tests.conftest import resolved, run
 
 # the default digits, small models: a few seconds a run
 SMALL = {"batch_size": 8, "ngf": 8, "ndf": 8, "nz": 16, "eval_samples": 64, "log_every": 2, "sample_every": 1000}
@@ -68,7 +68,7 @@ def test_ema_decay_0_is_the_raw_generator():
 def test_ema_is_checkpointed_and_resumes_exactly(tmp_path):
     train.main(Wrapped(**SMALL, max_steps=6, out=str(tmp_path / "full"), accelerator="cpu"))
     train.main(Wrapped(**SMALL, max_steps=3, out=str(tmp_path / "half"), accelerator="cpu"))
-    train.main(Wrapped(**SMALL, max_steps=6, resume=str(tmp_path / "half"), accelerator="cpu"))
+    train.main(resolved(Wrapped, **SMALL, max_steps=6, resume=str(tmp_path / "half"), accelerator="cpu"))
     full, resumed = saved(tmp_path / "full", "ema"), saved(tmp_path / "half", "ema")
     generator = train.Generator(16, 8, 1, 32)  # its parameters, its float buffers (BatchNorm's statistics)
     averaged = [n for n, _ in generator.named_parameters()] + [n for n, b in generator.named_buffers()
@@ -126,7 +126,7 @@ def test_cosine_schedule_follows_the_formula_and_resumes_exactly(tmp_path, monke
     assert saved(tmp_path / "half", "step") == 3
     assert saved(tmp_path / "half", "scheduler_g")["_last_lr"][0] == pytest.approx(2e-4 * cosine_factor(3, 2, 6))
     monkeypatch.setattr(train.Bookkeeping, "end_step", end_step)
-    train.main(Wrapped(**options, resume=str(tmp_path / "half")))
+    train.main(resolved(Wrapped, **options, resume=str(tmp_path / "half")))
     for key in ("generator", "ema"):
         assert_close(saved(tmp_path / "full", key), saved(tmp_path / "half", key), rtol=0, atol=0)
     assert saved(tmp_path / "full", "scheduler_d") == saved(tmp_path / "half", "scheduler_d")
@@ -262,18 +262,20 @@ def test_native_size_trains_alike_in_both_variants_and_changes_the_run(tmp_path)
     assert not torch.equal(plain["main.0.weight"], paper["main.0.weight"])
 
 
-@pytest.mark.slow  # five short runs, each with its final score
-def test_a_run_from_before_native_size_resumes_only_with_the_paper_generator(tmp_path):
+@pytest.mark.slow  # four short runs, each with its final score
+def test_a_run_from_before_native_size_resumes_with_the_paper_generator(tmp_path):
     options = dict(SMALL, max_steps=2, ema_decay=0.0)
     train_torch.main(Config(**options, native_size="0", out=str(tmp_path / "old")))
     config_json = tmp_path / "old" / "config.json"
     saved = json.loads(config_json.read_text())
     del saved["native_size"]  # the config.json of a run started before the flag existed
     config_json.write_text(json.dumps(saved))
-    with pytest.raises(ValueError, match=r"native_size \(checkpoint '0', now '8'\)"):  # the default on digits
-        train_torch.main(Config(**dict(options, max_steps=3), resume=str(tmp_path / "old")))
-    train_torch.main(Config(**dict(options, max_steps=3), native_size="0", resume=str(tmp_path / "old")))
+    with pytest.raises(ValueError, match=r"native_size \(checkpoint '0', now '8'\)"):  # typed: refused
+        resolved(Config, **dict(options, max_steps=3), native_size="8", resume=str(tmp_path / "old"))
+    resumed = resolved(Config, max_steps=3, resume=str(tmp_path / "old"))  # not typed: the run's own, 0
+    assert resumed.native_size == "0" and resumed.generator_native_size() == 0
+    train_torch.main(resumed)
 
     train_torch.main(Config(**options, out=str(tmp_path / "auto")))  # auto and 8 stand for the same generator
-    train_torch.main(Config(**dict(options, max_steps=3), native_size="8", resume=str(tmp_path / "auto")))
+    train_torch.main(resolved(Config, **dict(options, max_steps=3), native_size="8", resume=str(tmp_path / "auto")))
     assert json.loads((tmp_path / "auto" / "summary.json").read_text())["steps"] == 3

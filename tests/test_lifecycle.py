@@ -16,7 +16,8 @@ import torch
 
 from benchmarks.workloads import WORKLOADS
 from common.config import RunConfig
-from common.run import Bookkeeping, RunDir, StopRequests
+from common.run import Bookkeeping, StopRequests
+from common.rundir import RunDir
 from core.checkpoint import load_checkpoint
 from tests.conftest import ROOT, run
 from tests.test_usability import EXPLAINED, WARNING

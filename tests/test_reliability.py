@@ -197,7 +197,7 @@ def test_bad_checkpoints_are_refused(finished_run, tmp_path, kind):
     expected = {"truncated": "truncated or corrupt", "corrupt": "truncated or corrupt",
                 "foreign": "has no ['discriminator'", "malicious": "refused without running any of it",
                 "missing": "no checkpoint at"}[kind]
-    assert expected in message
+    assert expected in message and "Please file an issue" not in message  # torch's advice is not for this case
     assert not marker.exists()
 
 

@@ -17,7 +17,8 @@ import torch
 
 from benchmarks.parity import run_weights
 from common.config import RunConfig
-from common.run import Bookkeeping, RunDir, StopRequests, lr_scheduler
+from common.run import Bookkeeping, StopRequests, lr_scheduler
+from common.rundir import RunDir
 from tests.conftest import ROOT, TORCHRUN, run
 from tests.test_usability import one_line_error
 

@@ -19,7 +19,7 @@ from benchmarks.workloads import WORKLOADS
 from common.config import merge, parse
 from common.data import DownloadFailed
 from common.images import load_images
-from common.run import RunDir
+from common.rundir import RunDir, resolve_run
 from core import Fabric, launcher
 from core.cli import FabricFlags
 from gan import train_torch
@@ -151,9 +151,9 @@ def test_a_failed_start_leaves_no_run_directory(tmp_path):
     with pytest.raises(FileNotFoundError):  # a dataset that is not there
         gan.train.main(wrapped(dataset="mnist", data_root=str(tmp_path / "data"), out=str(tmp_path / "a")))
     with pytest.raises(ValueError, match="no checkpoint"):  # resuming a run that never was
-        gan.train.main(wrapped(dataset="fake", batch_size=8, resume=str(tmp_path / "b")))
+        resolve_run(wrapped(dataset="fake", batch_size=8, resume=str(tmp_path / "b")))
     with pytest.raises(ValueError, match="no checkpoint"):
-        train_torch.main(Config(dataset="fake", batch_size=8, resume=str(tmp_path / "c" / "d")))
+        resolve_run(Config(dataset="fake", batch_size=8, resume=str(tmp_path / "c" / "d")))
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"is a file\); pass a writable --out"):

@@ -1,0 +1,322 @@
+"""Runs never lose work: where a run writes (one rule), what a resume continues from, `--resume auto`, the
+default checkpoint cadence, logs that agree after a kill, and errors that keep their cause."""
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoencoder.config import Config as AutoencoderConfig
+from common.config import merge, parse
+from common.rundir import RESUMABLE_CHANGES, RunDir, resolve_run
+from core.cli import FabricFlags
+from tests.conftest import ROOT, TORCHRUN, run
+
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint's content, written by a wrapped (core's marker around it) or a plain script."""
+    saved = torch.load(path, weights_only=True)
+    return saved["state"] if saved.get("format") == "core-checkpoint" else saved
+
+
+GAN_SMALL = ["--batch-size", "8", "--ngf", "8", "--ndf", "8", "--nz", "16", "--eval-samples", "8"]
+
+
+def make_run(path: Path, checkpoint_is_folder: bool = False, **config) -> Path:
+    """A run directory as a script leaves it: config.json and checkpoints/last.ckpt (a folder for fsdp and
+    DeepSpeed)."""
+    last = path / "checkpoints" / "last.ckpt"
+    (last if checkpoint_is_folder else last.parent).mkdir(parents=True)
+    (last / "state.pt" if checkpoint_is_folder else last).write_bytes(b"")
+    (path / "config.json").write_text(json.dumps({**vars(AutoencoderConfig()), **config}))
+    return path
+
+
+def parsed(*argv) -> AutoencoderConfig:
+    return parse(merge(AutoencoderConfig, FabricFlags), list(argv))
+
+
+# --- the one rule for where a run writes ----------------------------------------------------------
+
+@pytest.mark.parametrize("folder", [False, True], ids=["file", "fsdp-or-deepspeed-folder"])
+def test_a_resume_without_out_continues_in_the_run_directory_the_checkpoint_belongs_to(tmp_path, folder):
+    run_dir = make_run(tmp_path / "run", checkpoint_is_folder=folder)
+    checkpoint = run_dir / "checkpoints" / "last.ckpt"
+    for given in (run_dir, checkpoint):
+        config = AutoencoderConfig(resume=str(given))
+        resolve_run(config)
+        assert (config.out, config.resume) == (str(run_dir), str(checkpoint))
+
+
+def test_a_checkpoint_outside_a_run_directory_needs_out(tmp_path):
+    (tmp_path / "plain.ckpt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"not inside a run directory .* pass --out DIR"):
+        resolve_run(AutoencoderConfig(resume=str(tmp_path / "plain.ckpt")))
+    config = AutoencoderConfig(resume=str(tmp_path / "plain.ckpt"), out=str(tmp_path / "new"))
+    resolve_run(config)
+    assert config.out == str(tmp_path / "new")
+
+
+def test_a_directory_that_holds_a_run_is_written_only_by_its_resume(tmp_path):
+    run_dir, other = make_run(tmp_path / "run"), make_run(tmp_path / "other")
+    with pytest.raises(ValueError, match=r"already holds a run \(config.json, checkpoints/\); continue it with "
+                                         r"--resume .*run \(or --resume auto\), or pass a new --out"):
+        resolve_run(AutoencoderConfig(out=str(run_dir)))
+    with pytest.raises(ValueError, match="already holds another run"):
+        resolve_run(AutoencoderConfig(out=str(run_dir), resume=str(other)))
+    resolve_run(AutoencoderConfig(out=str(run_dir), resume=str(run_dir)))  # its own resume
+    (tmp_path / "empty").mkdir()
+    resolve_run(AutoencoderConfig(out=str(tmp_path / "empty")))  # an empty folder holds no run
+
+
+def test_resume_auto_starts_fresh_in_an_empty_out_and_continues_a_used_one(tmp_path, capsys):
+    with pytest.raises(ValueError, match="--resume auto continues the run in --out, so it needs one"):
+        resolve_run(AutoencoderConfig(resume="auto"))
+    fresh = AutoencoderConfig(resume="auto", out=str(tmp_path / "job"))
+    resolve_run(fresh)
+    assert (fresh.out, fresh.resume) == (str(tmp_path / "job"), "")
+    assert "no checkpoint in" in capsys.readouterr().out
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "config.json").write_text("{}")  # killed before its first checkpoint: start again there
+    resolve_run(AutoencoderConfig(resume="auto", out=str(tmp_path / "job")))
+    make_run(tmp_path / "used")
+    used = AutoencoderConfig(resume="auto", out=str(tmp_path / "used"))
+    resolve_run(used)
+    assert used.resume == str(tmp_path / "used" / "checkpoints" / "last.ckpt")
+
+
+def test_a_resume_keeps_the_runs_own_flags_unless_given_again(tmp_path):
+    run_dir = make_run(tmp_path / "run", max_steps=300, latent=8, strategy="ddp", devices="2", data_root="/elsewhere")
+    config = parsed("--resume", str(run_dir))
+    assert (config.max_steps, config.latent, config.strategy, config.devices) == (300, 8, "ddp", "2")
+    assert config.data_root == "data"  # where the files are on this machine is not the run's
+    assert parsed("--resume", str(run_dir), "--max-steps", "500").max_steps == 500
+    with pytest.raises(SystemExit):  # a flag that changes what is computed, given differently
+        parsed("--resume", str(run_dir), "--latent", "16")
+
+
+def test_a_checkpoint_of_another_workload_names_the_workload(tmp_path):
+    run_dir = make_run(tmp_path / "run", workload="autoencoder")
+    with pytest.raises(ValueError, match=r"a checkpoint of a autoencoder run; resume it with python -m "
+                                         r"autoencoder.train"):
+        resolve_run(AutoencoderConfig(resume=str(run_dir)), "gan")
+    resolve_run(AutoencoderConfig(resume=str(run_dir)), "autoencoder")
+
+
+def test_flags_that_change_no_computation_may_change_on_resume(tmp_path):
+    run_dir = make_run(tmp_path / "run", logger="csv")
+    config = parsed("--resume", str(run_dir), "--logger", "none", "--log-every", "7")
+    assert (config.logger, config.log_every) == ("none", 7)
+    assert {"logger", "sample_every", "eval_samples", "eval_tasks", "eval_queries"} <= RESUMABLE_CHANGES
+
+
+def test_default_run_directories_never_collide(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("common.rundir.time.strftime", lambda _: "20260101-000000")  # the same second
+    paths = [RunDir("", "gan").path for _ in range(3)]
+    assert [p.name for p in paths] == ["gan-20260101-000000", "gan-20260101-000000-2", "gan-20260101-000000-3"]
+    assert all(p.is_dir() for p in paths)
+
+
+def test_two_default_runs_started_together_end_in_two_directories(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "gan.train", *GAN_SMALL, "--max-steps", "2", "--accelerator", "cpu"]
+    processes = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for _ in range(2)]
+    for process in processes:
+        assert process.wait(timeout=120) == 0, process.communicate()
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 2 and all((r / "summary.json").is_file() for r in runs)
+
+
+def digest(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("script", ["gan.train", "gan.train_torch"])
+def test_reusing_a_finished_runs_out_without_resume_exits_2_and_changes_nothing(tmp_path, script):
+    out = tmp_path / "run"
+    run(["-m", script, *GAN_SMALL, "--max-steps", "2", "--out", str(out)])
+    before = digest(out)
+    result = run(["-m", script, *GAN_SMALL, "--max-steps", "4", "--out", str(out)], check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"python -m {script}: error: --out {out} already holds a run (config.json, metrics.jsonl, summary.json, "
+        f"checkpoints/); continue it with --resume {out} (or --resume auto), or pass a new --out (see --help)"]
+    assert digest(out) == before
+
+
+# --- every resume form, on the default data ---------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["gan", "autoencoder", "metalearn"])
+@pytest.mark.parametrize("variant", ["train", "train_torch"])
+def test_each_resume_form_continues_in_the_right_directory(tmp_path, workload, variant):
+    """run dir -> last.ckpt without --out -> --resume RUN_DIR: each continues the run in its own directory,
+    with its own flags, and the next finds the newest step."""
+    script, out = f"{workload}.{variant}", tmp_path / "run"
+    small = {"gan": GAN_SMALL, "autoencoder": ["--batch-size", "8", "--width", "4"],
+             "metalearn": ["--hidden", "16", "--eval-tasks", "10"]}[workload]
+    run(["-m", script, *small, "--max-steps", "2", "--log-every", "1", "--out", str(out)])
+    first = run(["-m", script, "--resume", str(out / "checkpoints" / "last.ckpt"), "--max-steps", "3"])
+    assert f"Resumed from {out / 'checkpoints' / 'last.ckpt'} at step 2, writing to {out}" in first.stdout
+    run(["-m", script, "--resume", str(out), "--max-steps", "4"])
+    saved = load_checkpoint(out / "checkpoints" / "last.ckpt")
+    assert saved["step"] == 4
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    config = json.loads((out / "config.json").read_text())
+    assert config["log_every"] == 1  # the run's own flag, kept without retyping it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written elsewhere
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["train", "train_torch"])
+def test_resume_auto_on_an_empty_then_a_used_out(tmp_path, variant):
+    command = ["-m", f"gan.{variant}", *GAN_SMALL, "--out", str(tmp_path / "job"), "--resume", "auto"]
+    first = run([*command, "--max-steps", "2"])
+    assert "--resume auto: no checkpoint in" in first.stdout
+    second = run([*command, "--max-steps", "3"])
+    assert "Resumed from" in second.stdout and "at step 2" in second.stdout
+    assert load_checkpoint(tmp_path / "job" / "checkpoints" / "last.ckpt")["step"] == 3
+
+
+@pytest.mark.slow
+def test_the_printed_resume_command_continues_to_the_original_max_steps(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "autoencoder.train", "--max-steps", "300", "--log-every", "10",
+                                "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    printed = re.search(r"Resume with: (.*)$", stdout, re.M).group(1)
+    assert printed == f"python -m autoencoder.train --resume {out}"
+    run(printed.split()[1:])
+    assert json.loads((out / "summary.json").read_text())["steps"] == 300
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_stage_2"])
+def test_a_sharded_checkpoint_folder_resumes_without_out(tmp_path, strategy):
+    if strategy.startswith("deepspeed"):
+        pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+    out = tmp_path / "run"
+    common = ["-m", "autoencoder.train", "--accelerator", "cpu", "--strategy", strategy, "--devices", "2",
+              "--batch-size", "8", "--width", "4"]
+    run([*common, "--max-steps", "2", "--out", str(out)], timeout=300)
+    assert (out / "checkpoints" / "last.ckpt").is_dir()
+    run(["-m", "autoencoder.train", "--resume", str(out / "checkpoints" / "last.ckpt"), "--max-steps", "3"],
+        timeout=300)
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+    assert not (out / "checkpoints" / "last.ckpt" / "config.json").exists()  # not a run inside the checkpoint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_converted_checkpoint_resumes_in_the_plain_script_as_the_readme_shows(tmp_path):
+    """README: python -m core.convert RUN plain.ckpt, then python -m gan.train_torch --resume plain.ckpt --out DIR."""
+    run(["-m", "gan.train", *GAN_SMALL, "--accelerator", "cpu", "--strategy", "fsdp", "--devices", "2",
+         "--max-steps", "2", "--out", str(tmp_path / "fsdp")], timeout=300)
+    run(["-m", "core.convert", str(tmp_path / "fsdp"), str(tmp_path / "plain.ckpt")])
+    refused = run(["-m", "gan.train_torch", "--resume", str(tmp_path / "plain.ckpt")], check=False)
+    assert refused.returncode == 2 and "pass --out DIR" in refused.stderr
+    run(["-m", "gan.train_torch", *GAN_SMALL, "--resume", str(tmp_path / "plain.ckpt"), "--out",
+         str(tmp_path / "plain"), "--max-steps", "3"])
+    assert load_checkpoint(tmp_path / "plain" / "checkpoints" / "last.ckpt")["step"] == 3
+
+
+# --- bounded loss on a kill: the default cadence, restarts that continue --------------------------------
+
+def test_the_default_cadence_checkpoints_every_500_steps():
+    assert AutoencoderConfig().checkpoint_every == 500
+
+
+def final_tensors(path: Path) -> dict:
+    state = load_checkpoint(path / "checkpoints" / "last.ckpt")
+    return {f"{key}.{name}": value for key, value in state.items() if isinstance(value, dict) and "step" not in key
+            for name, value in value.items() if isinstance(value, torch.Tensor)}
+
+
+@pytest.mark.slow
+def test_a_default_flags_run_killed_late_resumes_from_the_cadences_checkpoint(tmp_path):
+    """The autoencoder's default flags to 600 steps: SIGKILL after the step-500 checkpoint, resume, and the
+    weights equal an uninterrupted run's bitwise."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "autoencoder.train", "--max-steps", "600"]
+    killed = subprocess.Popen([*command, "--out", str(tmp_path / "killed")], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    checkpoint, deadline = tmp_path / "killed" / "checkpoints" / "last.ckpt", time.monotonic() + 240
+    while not checkpoint.exists():
+        assert killed.poll() is None and time.monotonic() < deadline, killed.communicate()
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    assert killed.wait() == -signal.SIGKILL
+    assert load_checkpoint(checkpoint)["step"] == 500 and not (tmp_path / "killed" / "summary.json").exists()
+    run(["-m", "autoencoder.train", "--resume", str(tmp_path / "killed")])
+    run(["-m", "autoencoder.train", "--max-steps", "600", "--out", str(tmp_path / "reference")])
+    a, b = final_tensors(tmp_path / "reference"), final_tensors(tmp_path / "killed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps_json = [json.loads(line)["step"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    steps_csv = [int(line.split(",")[0]) for line in (tmp_path / "killed" / "metrics.csv").read_text().splitlines()[1:]]
+    assert steps_json == steps_csv == [50 * i for i in range(1, 13)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_requeued_torchrun_job_with_resume_auto_continues_bitwise(tmp_path):
+    """What SLURM --requeue or a scheduler's retry does: the same command again after a worker was killed."""
+    args = ["-m", "gan.train_torch", *GAN_SMALL, "--max-steps", "120", "--checkpoint-every", "40", "--log-every",
+            "10"]
+    job = [sys.executable, *TORCHRUN, *args, "--out", str(tmp_path / "job"), "--resume", "auto"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(job, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    checkpoint, deadline = tmp_path / "job" / "checkpoints" / "last.ckpt", time.monotonic() + 240
+    while not checkpoint.exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.05)
+    agent_children = subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True, text=True).stdout.split()
+    workers = [int(pid) for pid in agent_children if "gan.train_torch" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    first.communicate(timeout=120)
+    assert first.returncode != 0 and not (tmp_path / "job" / "summary.json").exists()
+    requeued = subprocess.run(job, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert "Resumed from" in requeued.stdout
+    run([*TORCHRUN, *args, "--out", str(tmp_path / "reference")], timeout=300)
+    a, b = final_tensors(tmp_path / "reference"), final_tensors(tmp_path / "job")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- errors keep their cause ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_missing_shard_file_is_named_and_the_traceback_switch_shows_the_cause(tmp_path):
+    out = tmp_path / "run"
+    common = ["-m", "autoencoder.train", "--accelerator", "cpu", "--strategy", "fsdp", "--devices", "2",
+              "--batch-size", "8", "--width", "4"]
+    run([*common, "--max-steps", "2", "--out", str(out)], timeout=300)
+    shard = sorted((out / "checkpoints" / "last.ckpt").glob("*.distcp"))[-1]
+    shard.unlink()
+    result = run([*common, "--resume", str(out), "--max-steps", "3"], check=False, timeout=300)
+    assert result.returncode != 0
+    message = [line for line in result.stderr.splitlines() if line.startswith("python -m autoencoder.train")]
+    assert message and shard.name in message[0] and "does not match the model" not in message[0], result.stderr
+    traced = run([*common, "--resume", str(out), "--max-steps", "3"], check=False, timeout=300,
+                 env={"SUITE_TRACEBACK": "1"})
+    assert "Traceback" in traced.stderr and "CheckpointError" in traced.stderr and shard.name in traced.stderr
