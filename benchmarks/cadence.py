@@ -5,9 +5,10 @@
 
 One save is too short to time against a whole run's noise, so each repeat runs the default command twice for
 S steps, saving after every step (`--checkpoint-every 1`) and only at the end (`0`): the difference of the
-two runs' clocks at step S (metrics.jsonl's `time`), over the S - 1 saves before it, is one save's cost.
-A step's time comes from the second run, between its records at steps S and 2S. The cost of the cadence is one save per 500 steps:
-save / (500 x step). Medians over the repeats; each run is the user's command, default data and flags.
+two runs' clocks at step S (metrics.jsonl's `time`), over the S - 1 saves before it, is one save's cost. A
+step's time comes from the second run, between its records at steps S and 2S. The cost of the cadence is one
+save per 500 steps: save / (500 x step). Medians over the repeats; each run is the user's command, default
+data and flags.
 """
 import argparse
 import json

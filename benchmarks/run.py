@@ -349,6 +349,15 @@ def update_readme(sections: dict) -> None:
     readme.write_text(text[:i] + "\n" + body + text[j:])
 
 
+PEERS = {"overhead": "lightning", "maml": "higher"}  # a part's peer row, from the bench extra
+
+
+def missing_peers(parts) -> list[str]:
+    """The peer packages that the full results of `parts` hold rows of and this environment lacks."""
+    import importlib.util
+    return [PEERS[part] for part in parts if part in PEERS and importlib.util.find_spec(PEERS[part]) is None]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -363,6 +372,10 @@ def main(argv=None):
     unknown = set(parts) - set(PARTS)
     if unknown:
         parser.error(f"unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    if not args.quick and missing_peers(parts):  # a full run would replace committed peer rows by "not installed"
+        parser.error(f"a full run rewrites the committed results, whose peer rows need "
+                     f"{', '.join(missing_peers(parts))}: pip install -e '.[bench]', or pass --quick (writes "
+                     f"results/quick/ only)")
     workloads = None if args.workloads is None else args.workloads.split(",")
     if workloads is not None:
         if set(workloads) - set(WORKLOADS):

@@ -170,6 +170,11 @@ def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, 
     assert "default setup (25 tasks, 10 support and 100 query" in quick
     assert "| lightning | not installed: pip install -e '.[bench]' |" in (results / "quick" / "overhead.md").read_text()
 
+    with pytest.raises(SystemExit) as refused:  # without the bench extra a full run would drop the peer rows
+        monkeypatch.setattr(bench, "missing_peers", lambda parts: ["lightning"])
+        bench.main(["--only", "overhead"])
+    assert refused.value.code == 2 and full["overhead.md"].read_text() == "full run\n"
+    monkeypatch.setattr(bench, "missing_peers", lambda parts: [])  # as with the bench extra installed
     bench.main(["--only", "overhead"])  # a full run of a part: its result files and its README table
     assert "### overhead" in readme.read_text() and "full run" not in full["overhead.md"].read_text()
     assert full["maml_speed.md"].read_text() == "full run\n"
