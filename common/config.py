@@ -71,10 +71,13 @@ def parse(config_class, argv=None, prog=None, description=None):
     try:
         if hasattr(config, "check"):
             config.check()
-        if hasattr(config, "resume"):
-            resolve_run(config, (prog or "").split(" -m ")[-1].split(".")[0])  # where it writes, what it resumes
     except ValueError as error:
         parser.error(str(error))
+    if hasattr(config, "resume"):
+        try:  # where it writes, what it resumes
+            resolve_run(config, (prog or "").split(" -m ")[-1].split(".")[0])
+        except ValueError as error:
+            error_exit(prog, str(error))
     return config
 
 
@@ -103,9 +106,13 @@ def cli(main, *config_classes, prog: str, description: str = ""):
         sys.stderr.write(f"{prog}: interrupted outside the training loop; nothing after the last checkpoint "
                          f"was saved\n")
         sys.exit(130)
-    finally:  # the loop's stop handlers (StopRequests) end with main, also when it raised
-        for signum, handler in handlers.items():
+    finally:  # the loop's stop handlers (StopRequests) end with main, also when it raised; so does a plain
+        for signum, handler in handlers.items():  # script's process group (core's launcher ends its own at exit)
             signal.signal(signum, handler)
+        if not hasattr(config, "fabric_options"):
+            import torch.distributed as dist
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def error_exit(prog: str, message: str):

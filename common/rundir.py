@@ -71,8 +71,8 @@ def resolve_run(config, workload: str | None = None) -> None:
     if config.resume:
         saved = saved_config(run_of(Path(config.resume)), config)
         if workload and saved.get("workload", workload) != workload:
-            raise ValueError(f"--resume {config.resume}: a checkpoint of a {saved['workload']} run; resume it with "
-                             f"python -m {saved['workload']}.train (or .train_torch)")
+            raise ValueError(f"--resume {config.resume}: a checkpoint of the {saved['workload']} workload; resume it "
+                             f"with python -m {saved['workload']}.train (or {saved['workload']}.train_torch)")
         restore_flags(config, run_of(Path(config.resume)))
         check_resume_config(Path(config.resume), config)
 

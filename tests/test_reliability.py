@@ -171,6 +171,15 @@ def test_resume_with_incompatible_config_names_the_fields(finished_run, tmp_path
     assert "ngf (checkpoint 8, now 16)" in message and "lr (checkpoint 0.0002, now 0.1)" in message
 
 
+def test_a_checkpoint_of_another_workload_names_it(finished_run, tmp_path):
+    result = run(["-m", "autoencoder.train", "--resume", str(finished_run), "--out", str(tmp_path / "new")],
+                 check=False, timeout=60)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"python -m autoencoder.train: error: --resume {finished_run / 'checkpoints' / 'last.ckpt'}: a checkpoint of "
+        f"the gan workload; resume it with python -m gan.train (or gan.train_torch)"]
+    assert not (tmp_path / "new").exists()
+
+
 def test_checkpoint_of_another_model_shape_names_the_keys(finished_run, tmp_path):
     copy = tmp_path / "copied.ckpt"  # outside its run directory: no config.json to compare with
     copy.write_bytes((finished_run / "checkpoints" / "last.ckpt").read_bytes())

@@ -103,8 +103,8 @@ def test_a_resume_keeps_the_runs_own_flags_unless_given_again(tmp_path):
 
 def test_a_checkpoint_of_another_workload_names_the_workload(tmp_path):
     run_dir = make_run(tmp_path / "run", workload="autoencoder")
-    with pytest.raises(ValueError, match=r"a checkpoint of a autoencoder run; resume it with python -m "
-                                         r"autoencoder.train"):
+    with pytest.raises(ValueError, match=r"a checkpoint of the autoencoder workload; resume it with python -m "
+                                         r"autoencoder.train \(or autoencoder.train_torch\)"):
         resolve_run(AutoencoderConfig(resume=str(run_dir)), "gan")
     resolve_run(AutoencoderConfig(resume=str(run_dir)), "autoencoder")
 
@@ -149,7 +149,7 @@ def test_reusing_a_finished_runs_out_without_resume_exits_2_and_changes_nothing(
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"python -m {script}: error: --out {out} already holds a run (config.json, metrics.jsonl, summary.json, "
-        f"checkpoints/); continue it with --resume {out} (or --resume auto), or pass a new --out (see --help)"]
+        f"checkpoints/); continue it with --resume {out} (or --resume auto), or pass a new --out"]
     assert digest(out) == before
 
 
