@@ -106,13 +106,9 @@ def cli(main, *config_classes, prog: str, description: str = ""):
         sys.stderr.write(f"{prog}: interrupted outside the training loop; nothing after the last checkpoint "
                          f"was saved\n")
         sys.exit(130)
-    finally:  # the loop's stop handlers (StopRequests) end with main, also when it raised; so does a plain
-        for signum, handler in handlers.items():  # script's process group (core's launcher ends its own at exit)
+    finally:  # the loop's stop handlers (StopRequests) end with main, also when it raised
+        for signum, handler in handlers.items():
             signal.signal(signum, handler)
-        if not hasattr(config, "fabric_options"):
-            import torch.distributed as dist
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
 
 
 def error_exit(prog: str, message: str):

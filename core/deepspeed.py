@@ -27,7 +27,8 @@ import os
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from core import checkpoint, deepspeed_checkpoint
+from core import checkpoint
+from core.checkpoint import deepspeed as deepspeed_checkpoint
 from core.strategies import DDP
 
 class DeepSpeed(DDP):
@@ -171,15 +172,15 @@ class DeepSpeed(DDP):
                 plain[key] = value
         self.barrier()
         if self.global_rank == 0:
-            checkpoint.save_checkpoint(plain, tmp / "state.pt")
+            checkpoint.save_checkpoint(plain, tmp / checkpoint.STATE)
         checkpoint.replace_directory(tmp, path, self.global_rank, self.barrier)
 
     def load_checkpoint(self, path, held=None) -> dict:
         """A checkpoint of this stage and number of processes loads through the engines (each rank reads its
         own partitions); any other is read as the logical checkpoint and put into the engines' partitions."""
         path = Path(path)
-        if (path / "state.pt").is_file() and not (path / ".metadata").is_file():
-            saved = checkpoint.load_checkpoint(path / "state.pt")
+        if (path / checkpoint.STATE).is_file() and not (path / ".metadata").is_file():
+            saved = checkpoint.load_checkpoint(path / checkpoint.STATE)
             layouts = [value for value in saved.values() if isinstance(value, dict) and "deepspeed_tag" in value]
             # a checkpoint written before core recorded the shape is taken to be this one's, as it had to be
             if layouts and all((v.get("world_size", self.world_size), v.get("stage", self.stage)) ==

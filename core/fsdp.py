@@ -4,7 +4,7 @@ Each set-up module is sharded in place: submodules of the types named in `wrap_m
 their own shard groups (all-gathered one at a time), then the module itself. Several sharded
 modules in one process are independent (a GAN's generator and discriminator).
 
-Checkpoints are sharded (`core/sharded.py`): every rank writes its own shards of the model and optimizer
+Checkpoints are sharded (`core/checkpoint/sharded.py`): every rank writes its own shards of the model and optimizer
 state, keyed by parameter name, and reads back only what it holds, resharded by DCP to any number of
 processes; nothing is gathered on rank 0. A one-file or DeepSpeed checkpoint loads whole on each rank and
 is sharded here.
@@ -127,15 +127,15 @@ class FSDP(DDP):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
-    # checkpoints: sharded (core/sharded.py); a one-file or DeepSpeed checkpoint loads whole and is sharded here
+    # checkpoints: sharded (core/checkpoint/sharded.py); a one-file or DeepSpeed checkpoint loads whole and is sharded here
     def save_checkpoint(self, path, state: dict) -> None:
-        from core import sharded
+        from core.checkpoint import sharded
         sharded.save(path, state, self.global_rank, self.barrier)
 
     def load_checkpoint(self, path, held=None) -> dict:
         """A sharded checkpoint is read straight into this rank's shards (`held()`: what `fabric.save` would
         write now, DTensors of this rank), resharded by DCP to this number of processes."""
-        from core import sharded
+        from core.checkpoint import sharded
 
         if held is None or not sharded.is_sharded(path):
             return super().load_checkpoint(path, held)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from core import CheckpointError, Fabric, checkpoint, sharded
+from core import CheckpointError, Fabric, checkpoint
+from core.checkpoint import sharded
 from tests.conftest import run
 
 ONE, TWO = ["single", "fsdp", "deepspeed_stage_2"], ["ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3"]

@@ -104,7 +104,38 @@ def test_common_imports_no_workload():
         assert not {_package(name) for name in imports(path)} & set(BUDGETS), path.name
 
 
+def module_graph() -> dict[str, set[str]]:
+    """module -> the suite's modules it imports (lazy imports inside functions included). `from pkg import mod`
+    counts as an import of pkg.mod where that is a module, else of pkg."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for top in ("core", "common", "gan", "autoencoder", "metalearn", "benchmarks")
+             for p in (ROOT / top).rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in paths else node.module
+                            for alias in node.names}
+        graph[name] = {t for t in targets if t in paths and t != name}
+    return graph
+
+
+def test_no_import_circle_and_no_module_imports_a_package_above_it():
+    graph = module_graph()
+    for name, targets in graph.items():
+        upward = [t for t in targets if name.startswith(t + ".")]
+        assert not upward, f"{name} imports {upward}, a package it is part of"
+
+    def reaches(start, goal, seen):
+        return any(t == goal or (t not in seen and not seen.add(t) and reaches(t, goal, seen)) for t in graph[start])
+    circles = sorted(name for name in graph if reaches(name, name, set()))
+    assert not circles, f"modules in an import circle: {circles}"
+
+
 def test_every_file_opens_with_a_docstring():
     for folder in ("core", "common", "gan", "autoencoder", "metalearn", "benchmarks"):
-        for path in (ROOT / folder).glob("*.py"):
+        for path in (ROOT / folder).rglob("*.py"):
             assert ast.get_docstring(ast.parse(path.read_text())), path

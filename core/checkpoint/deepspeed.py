@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from core import checkpoint
+from core.checkpoint import files
 
 
 def check_shapes(module, saved: dict, strict: bool, key: str) -> None:
@@ -28,7 +28,7 @@ def check_shapes(module, saved: dict, strict: bool, key: str) -> None:
         problems += [f"{name}: missing from the checkpoint" for name in shapes if name not in saved and
                      name in dict(module.named_parameters())]
     if problems:
-        raise checkpoint.CheckpointError(f"The checkpoint's {key!r} does not match the model: "
+        raise files.CheckpointError(f"The checkpoint's {key!r} does not match the model: "
                                          f"{'; '.join(problems[:8])}. Was it saved from a model of another shape?")
 
 
@@ -65,7 +65,7 @@ def load_full_optimizer(engine, state: dict) -> None:
     if len(groups) == 1:
         groups = groups * len(base.param_groups)
     if len(groups) != len(base.param_groups):
-        raise checkpoint.CheckpointError(f"The checkpoint's optimizer has {len(groups)} parameter groups; this "
+        raise files.CheckpointError(f"The checkpoint's optimizer has {len(groups)} parameter groups; this "
                                          f"DeepSpeed engine splits them into {len(base.param_groups)}, which core "
                                          f"cannot pair. Resume with the strategy that saved it.")
     if not base.state:
@@ -106,10 +106,10 @@ def read_deepspeed(path) -> dict:
     try:
         from deepspeed.utils import zero_to_fp32
     except ImportError:
-        raise checkpoint.CheckpointError(f"{path} is a DeepSpeed checkpoint; reading it needs DeepSpeed: pip install "
+        raise files.CheckpointError(f"{path} is a DeepSpeed checkpoint; reading it needs DeepSpeed: pip install "
                                          f"-e '.[deepspeed]'.") from None
     path = Path(path)
-    saved = checkpoint.load_checkpoint(path / "state.pt")
+    saved = files.load_checkpoint(path / files.STATE)
     engines = {}
     for key, value in saved.items():
         if isinstance(value, dict) and "deepspeed_tag" in value:
@@ -130,7 +130,7 @@ def _merge_partitions(folder: Path, z) -> tuple[dict, dict]:
     stage, world_size = optims[0]["zero_stage"], optims[0]["partition_count"]
     world_size = max(world_size) if isinstance(world_size, list) else world_size
     if len(optims) != world_size:
-        raise checkpoint.CheckpointError(f"{folder} holds {len(optims)} optimizer partitions of {world_size}: a rank's "
+        raise files.CheckpointError(f"{folder} holds {len(optims)} optimizer partitions of {world_size}: a rank's "
                                          f"files are missing. Resume from an earlier checkpoint.")
     states = []
     for model in models:
@@ -187,10 +187,10 @@ def safe_loader(**defaults):
             with torch.serialization.safe_globals(allowed):
                 return torch.load(file, map_location=map_location or defaults.get("map_location"), weights_only=True)
         except pickle.UnpicklingError as error:
-            raise checkpoint.CheckpointError(f"{file} holds objects outside the allowed tensor and DeepSpeed "
+            raise files.CheckpointError(f"{file} holds objects outside the allowed tensor and DeepSpeed "
                                              f"types, so it was refused unread: "
                                              f"{str(error).splitlines()[0][:200]}") from None
         except (RuntimeError, EOFError, OSError) as error:
-            raise checkpoint.CheckpointError(f"{file} is not readable ({str(error).splitlines()[0][:200]}). "
+            raise files.CheckpointError(f"{file} is not readable ({str(error).splitlines()[0][:200]}). "
                                              f"Resume from an earlier checkpoint.") from None
     return load

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from core import checkpoint
+from core.checkpoint import files
 
-STATE = "state.pt"
+STATE = files.STATE
 
 
 _NONE = object()  # "no part here", as distinct from a value None
@@ -77,7 +77,7 @@ def save(path, state: dict, rank: int, barrier) -> None:
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    checkpoint.clear_directory(tmp, rank, barrier)
+    files.clear_directory(tmp, rank, barrier)
     tensors, rest = split(state)
     alone = not torch.distributed.is_initialized()  # one process: no group to coordinate
     with _alone_is_intended():
@@ -86,12 +86,12 @@ def save(path, state: dict, rank: int, barrier) -> None:
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=alone,
                  planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     if rank == 0:
-        checkpoint.save_checkpoint(rest, tmp / STATE)
-    checkpoint.replace_directory(tmp, path, rank, barrier)
+        files.save_checkpoint(rest, tmp / STATE)
+    files.replace_directory(tmp, path, rank, barrier)
 
 
 def read_rest(path) -> dict:
-    return checkpoint.load_checkpoint(Path(path) / STATE)
+    return files.load_checkpoint(Path(path) / STATE)
 
 
 def load_into(path, held: dict) -> dict:
@@ -107,7 +107,7 @@ def load_into(path, held: dict) -> dict:
     files = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
     absent = sorted(name for name in files if name and not (Path(path) / name).exists())
     if absent:
-        raise checkpoint.CheckpointError(
+        raise files.CheckpointError(
             f"The sharded checkpoint {path} lacks {', '.join(absent)}: every rank writes its own shard files, so "
             f"the run directory must be on a filesystem all nodes share. Copy the missing files in, or resume "
             f"from another checkpoint.")
@@ -120,13 +120,13 @@ def load_into(path, held: dict) -> dict:
         text = "\n".join([str(error), *(str(failure) for failure in getattr(error, "failures", {}).values())])
         mismatch = [line.strip() for line in text.splitlines() if "Missing key" in line or "Size mismatch" in line]
         if not mismatch:
-            raise checkpoint.CheckpointError(f"The sharded checkpoint {path} could not be read: "
+            raise files.CheckpointError(f"The sharded checkpoint {path} could not be read: "
                                              f"{text.splitlines()[-1][:300]}") from error
-        raise checkpoint.CheckpointError(f"The sharded checkpoint {path} does not match the model or optimizer: "
+        raise files.CheckpointError(f"The sharded checkpoint {path} does not match the model or optimizer: "
                                          f"{'; '.join(dict.fromkeys(mismatch))[:600]}. Was it saved from a model of "
                                          f"another shape, or with another optimizer?") from error
     except RuntimeError as error:  # DCP's planner: keys or shapes that the model does not have
-        raise checkpoint.CheckpointError(f"The sharded checkpoint {path} does not match the model or optimizer: "
+        raise files.CheckpointError(f"The sharded checkpoint {path} does not match the model or optimizer: "
                                          f"{str(error).splitlines()[0][:600]}. Was it saved from a model of "
                                          f"another shape, or with another optimizer?") from error
 
@@ -169,13 +169,13 @@ class SafeReader(_Reader):
         try:
             metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
         except (pickle.UnpicklingError, EOFError, OSError, AttributeError, ValueError, TypeError) as error:
-            raise checkpoint.CheckpointError(f"{file} is not a readable sharded checkpoint's metadata ({error}); it "
+            raise files.CheckpointError(f"{file} is not a readable sharded checkpoint's metadata ({error}); it "
                                              f"was refused without running any of it. Resume from an earlier "
                                              f"checkpoint.") from None
         pickled = [key for key, entry in metadata.state_dict_metadata.items()
                    if isinstance(entry, BytesStorageMetadata)]
         if pickled:
-            raise checkpoint.CheckpointError(f"The sharded checkpoint {self.path} holds pickled objects ({pickled[:3]}), "
+            raise files.CheckpointError(f"The sharded checkpoint {self.path} holds pickled objects ({pickled[:3]}), "
                                              f"which core never writes; it was refused without reading them.")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
