@@ -6,39 +6,58 @@
         images = generator(noise)
 
 torch.optim.swa_utils.AveragedModel deep-copies the module, which a sharded one cannot be. This keeps a
-float32 copy of each parameter's local storage instead: the parameter itself (single, ddp, ZeRO 1 and 2,
-where every process holds it whole), its DTensor (fsdp: the copy is sharded like the parameter, and the
-checkpoint saves it sharded), or ZeRO-3's partition `param.ds_tensor` (the parameter is an empty
-placeholder). Floating-point buffers (BatchNorm's running statistics) are averaged with the weights, as
-`AveragedModel(use_buffers=True)` does: the average generator in eval mode then normalises with statistics
-of about the same weights (with the raw module's statistics, a digits run scored FID 2.51 against 1.06
-raw). Other buffers (the batch counter) stay the module's.
+float32 copy of each parameter's local storage instead, as the module's `parameter_shares` says what that is
+(`WholeParameters` below when it has none: plain PyTorch, single, ddp, ZeRO 1 and 2, where every process
+holds the parameter whole, and fsdp, whose DTensor parameters shard themselves, so the copy is sharded like
+the parameter and the checkpoint saves it sharded; core gives a module set up under ZeRO-3 its own, which
+reads the partition each process holds). Floating-point buffers (BatchNorm's running statistics) are
+averaged with the weights, as `AveragedModel(use_buffers=True)` does: the average generator in eval mode
+then normalises with statistics of about the same weights (with the raw module's statistics, a digits run
+scored FID 2.51 against 1.06 raw). Other buffers (the batch counter) stay the module's.
 
-The state dict is keyed by parameter name. Under ZeRO-3, where each process holds a flat slice, `gather`
-(fabric.all_gather) makes full tensors of the slices for the checkpoint, which only rank 0 writes, and
-`rank` picks this process's slice again on load; both are collectives that every process reaches together.
+The state dict is keyed by parameter name, full tensors (`shares.full`: under ZeRO-3 a collective that every
+process reaches together, which only rank 0 writes); on load `shares.part` keeps this process's share.
 """
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 
 
-def local_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The storage this process holds of `param`: ZeRO-3's partition, or the parameter (a DTensor under fsdp)."""
-    return param.ds_tensor if hasattr(param, "ds_tensor") else param
+class WholeParameters:
+    """What a process holds of each parameter when it holds it whole (or as a DTensor that shards itself).
+    A strategy that partitions parameters outside the tensor gives its set-up modules a `parameter_shares`
+    object with these four methods."""
+
+    def local(self, param: torch.Tensor) -> torch.Tensor:
+        """The storage this process holds of `param`, written in place to change the parameter."""
+        return param
+
+    def full(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """A tensor of `param`'s shape from every process's `local` values (each process calls it)."""
+        return local
+
+    def part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """This process's share of a full value of `param`."""
+        return full
+
+    def written(self, params: list) -> None:
+        """After the local storages of `params` were written: bring the parameters up to date."""
+
+
+def shares_of(module) -> WholeParameters:
+    return getattr(module, "parameter_shares", None) or WholeParameters()
 
 
 class EMA:
-    def __init__(self, module: torch.nn.Module, decay: float, gather=None, rank: int = 0):
+    def __init__(self, module: torch.nn.Module, decay: float):
         """`decay` 0 turns the average off: no copies, `update` and `swapped_in` do nothing."""
         if not 0 <= decay < 1:
             raise ValueError(f"the EMA decay must be in [0, 1), got {decay}")
-        self.decay, self.gather, self.rank = decay, gather, rank  # no `module` attribute: save_plain would unwrap it
+        self.decay, self.shares = decay, shares_of(module)  # no `module` attribute: save_plain would unwrap it
         floating = {name: b for name, b in module.named_buffers() if b.is_floating_point()}
         self.params = {**dict(module.named_parameters()), **floating} if decay else {}  # the averaged tensors
         with torch.no_grad():
-            self.averages = {name: local_tensor(p).detach().float().clone() for name, p in self.params.items()}
+            self.averages = {name: self.shares.local(p).detach().float().clone() for name, p in self.params.items()}
         self.updates = 0
 
     def current_decay(self) -> float:
@@ -55,7 +74,7 @@ class EMA:
         if self.averages:
             weight = 1 - self.current_decay()
             for average, p in zip(self.averages.values(), self.params.values()):  # one by one: under fsdp the
-                average.lerp_(local_tensor(p).float(), weight)  # parameters are DTensors, the buffers are not
+                average.lerp_(self.shares.local(p).float(), weight)  # parameters are DTensors, the buffers are not
             self.updates += 1
 
     @contextmanager
@@ -65,7 +84,7 @@ class EMA:
             yield
             return
         with torch.no_grad():
-            raw = {name: local_tensor(p).clone() for name, p in self.params.items()}
+            raw = {name: self.shares.local(p).clone() for name, p in self.params.items()}
             self._write(self.averages)
         try:
             yield
@@ -75,23 +94,12 @@ class EMA:
 
     def _write(self, values: dict) -> None:
         for name, p in self.params.items():
-            local_tensor(p).copy_(values[name])
-        # ZeRO-3 keeps parameters under its persistence threshold gathered between steps; re-gather them from
-        # the partitions just written, as its optimizer does after a step (a collective)
-        persistent = [p for p in self.params.values() if getattr(p, "ds_persist", False)]
-        if persistent:
-            persistent[0].partition(persistent)
-            persistent[0].all_gather(persistent)
+            self.shares.local(p).copy_(values[name])
+        self.shares.written(list(self.params.values()))
 
     def state_dict(self) -> dict:
-        """{name: average}: full tensors, or DTensors under fsdp (checkpointed sharded); ZeRO-3's slices are
-        gathered into full tensors of the parameter's shape."""
-        state = {}
-        for name, average in self.averages.items():
-            p = self.params[name]
-            if hasattr(p, "ds_tensor"):  # (world, slice) -> the first numel elements, in the parameter's shape
-                average = self.gather(average).reshape(-1)[:p.ds_numel].view(p.ds_shape)
-            state[name] = average
+        """{name: average}: full tensors of the parameter's shape, or DTensors under fsdp (checkpointed sharded)."""
+        state = {name: self.shares.full(self.params[name], average) for name, average in self.averages.items()}
         return {**state, "updates": self.updates} if self.averages else state
 
     @torch.no_grad()
@@ -102,9 +110,4 @@ class EMA:
             raise ValueError(f"the checkpoint's EMA holds {len(state)} averages, this generator has "
                              f"{len(self.averages)} parameters; resume with the --ema-decay of the run that saved it")
         for name, average in self.averages.items():
-            value = state[name]
-            if hasattr(self.params[name], "ds_tensor"):  # this rank's slice of the flat tensor, zero-padded
-                size = average.numel()
-                flat = F.pad(value.reshape(-1), (0, max(0, (self.rank + 1) * size - value.numel())))
-                value = flat[self.rank * size:(self.rank + 1) * size]
-            average.copy_(value)
+            average.copy_(self.shares.part(self.params[name], state[name]))

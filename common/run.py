@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from common.ema import shares_of
 from common.rundir import RunDir, cuda_peak
 
 def batches(loader, start_step: int = 0):
@@ -139,11 +140,10 @@ def check_weights(state: dict, step: int, checkpoint: Path) -> None:
     """Refuse to write a checkpoint over a good one when an update left NaN or infinite weights (this
     process's shard of them, under a sharding strategy: the other processes then stop with it)."""
     for name, value in state.items():
+        shares = shares_of(value)
         for param in getattr(value, "parameters", lambda: ())():
-            if hasattr(param, "ds_tensor"):  # ZeRO-3: `param` is an empty placeholder; the shard is ds_tensor
-                local = param.ds_tensor
-            else:
-                local = param.to_local() if hasattr(param, "to_local") else param
+            local = shares.local(param)
+            local = local.to_local() if hasattr(local, "to_local") else local  # a DTensor's shard: no collective
             if not bool(local.detach().isfinite().all()):
                 raise FloatingPointError(f"{name} has non-finite weights after step {step}; stopping without "
                                          f"saving. {_last_good(checkpoint)}")

@@ -27,6 +27,8 @@ import os
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+import torch
+
 from core import checkpoint
 from core.checkpoint import deepspeed as deepspeed_checkpoint
 from core.strategies import DDP
@@ -112,6 +114,10 @@ class DeepSpeed(DDP):
             # clear their gradient buffers (which offload keeps between steps) instead of the module's gradients
             optimizers[0].zero_grad = engine.optimizer.zero_grad
         return engine, optimizers
+
+    def parameter_shares(self):
+        """Under ZeRO-3 each process holds a slice of each parameter (common/ema.py's `parameter_shares`)."""
+        return Zero3Shares(self.all_gather, self.global_rank) if self.stage == 3 else None
 
     def backward(self, loss, module, *args, **kwargs) -> None:
         if args or kwargs.get("create_graph"):
@@ -220,3 +226,36 @@ def _safe_loads(checkpoint_engine):
         yield
     finally:
         del checkpoint_engine.load
+
+
+class Zero3Shares:
+    """What each process holds of a ZeRO-3 module's parameters (common/ema.py's `parameter_shares`): a flat,
+    zero-padded slice `param.ds_tensor` of each one; the parameter itself is an empty placeholder."""
+
+    def __init__(self, all_gather, rank: int):
+        self.all_gather, self.rank = all_gather, rank
+
+    def local(self, param):
+        return param.ds_tensor if hasattr(param, "ds_tensor") else param
+
+    def full(self, param, local):
+        if not hasattr(param, "ds_tensor"):
+            return local
+        # (world, slice) -> the first numel elements, in the parameter's shape
+        return self.all_gather(local).reshape(-1)[:param.ds_numel].view(param.ds_shape)
+
+    def part(self, param, full):
+        if not hasattr(param, "ds_tensor"):
+            return full
+        size = param.ds_tensor.numel()  # this rank's slice of the flat tensor, zero-padded
+        flat = torch.nn.functional.pad(full.reshape(-1), (0, max(0, (self.rank + 1) * size - full.numel())))
+        return flat[self.rank * size:(self.rank + 1) * size]
+
+    def written(self, params: list) -> None:
+        # ZeRO-3 keeps parameters under its persistence threshold gathered between steps; re-gather them from
+        # the partitions just written, as its optimizer does after a step (a collective)
+        persistent = [p for p in params if getattr(p, "ds_persist", False)]
+        if persistent:
+            persistent[0].partition(persistent)
+            persistent[0].all_gather(persistent)
+

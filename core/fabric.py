@@ -223,6 +223,9 @@ class Fabric:
                                  f"torch.compile cannot wrap from outside; set up the uncompiled module.")
             forward_module = compiled if forward_module is module else compile_like(forward_module, compiled)
         wrapped = FabricModule(forward_module, module, self._precision, guard=guard, backward_state=self._backward)
+        shares = self._strategy.parameter_shares()
+        if shares is not None:  # in the instance dict: not a submodule, not forwarded to the original module
+            wrapped.__dict__["parameter_shares"] = shares
         self._modules.append(wrapped)
         self._optimizers_of[id(wrapped)] = []
         return wrapped

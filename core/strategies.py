@@ -96,6 +96,12 @@ class SingleDevice:
     def all_gather(self, tensor, group=None, sync_grads: bool = False):
         return tensor
 
+    def parameter_shares(self):
+        """None where each process holds every parameter whole (or as a self-sharding DTensor); else an object
+        that says what it holds (`common/ema.py` WholeParameters' methods), set on each set-up module as
+        `parameter_shares` for code that works on a process's own share (the EMA, the weight check)."""
+        return None
+
     def broadcast(self, obj, src: int = 0):
         return obj
 

@@ -50,7 +50,7 @@ def main(config: Config) -> dict:
     # forward would overwrite BatchNorm statistics saved for that backward, so keep buffers local.
     discriminator, optimizer_d, scheduler_d = fabric.setup(discriminator, optimizer_d, scheduler=scheduler_d,
                                                            ddp={"broadcast_buffers": False})
-    ema = EMA(generator, config.ema_decay, fabric.all_gather, rank)  # G's average weights, on each rank's shards
+    ema = EMA(generator, config.ema_decay)  # G's average weights, on each rank's own share of them
     augment = Augment(config.augment)  # DiffAugment of D's inputs (none: identity, no draws)
 
     state = {"generator": generator, "discriminator": discriminator, "optimizer_g": optimizer_g,
