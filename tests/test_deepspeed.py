@@ -3,6 +3,7 @@ stages 1-3, both offloads) runs on one process and matches `single`, two process
 batch with SGD and Adam, the GAN under ZeRO-2 matches DDP, and a SIGKILLed run resumes exactly."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 from benchmarks.workloads import WORKLOADS, flags
 from benchmarks.parity import run_weights
-from core import Fabric
+from core import CheckpointError, Fabric
 from core.checkpoint import load_checkpoint
 from tests.conftest import ROOT, run
 
@@ -218,3 +219,21 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, strategy):
     assert max_difference(run_weights(tmp_path / "killed"), run_weights(tmp_path / "reference")) < 1e-6
     steps = [json.loads(line)["step"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == 40  # each step logged once across the crash
+
+
+def test_the_private_deepspeed_functions_core_reads_with_are_there_or_named():
+    pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+    import deepspeed
+    from deepspeed.utils import zero_to_fp32
+
+    from core.checkpoint import deepspeed as deepspeed_checkpoint
+    deepspeed_checkpoint.check_private_api()  # the pinned version has them all
+    saved = zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint
+    try:
+        del zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint  # as a later DeepSpeed might
+        with pytest.raises(CheckpointError, match=rf"DeepSpeed {re.escape(deepspeed.__version__)} lacks "
+                                                  r"deepspeed.utils.zero_to_fp32._get_fp32_state_dict_from_zero3"):
+            deepspeed_checkpoint.check_private_api()
+    finally:
+        zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint = saved
+

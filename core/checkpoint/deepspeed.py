@@ -99,6 +99,25 @@ def load_full_optimizer(engine, state: dict) -> None:
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 
+# DeepSpeed functions that are not its public API, which reading its partitions needs; setup.cfg pins the
+# minor version the tests ran, and check_private_api names the installed one when any is gone
+PRIVATE_API = {"deepspeed.utils.zero_to_fp32": ("_get_fp32_state_dict_from_zero2_checkpoint",
+                                                "_get_fp32_state_dict_from_zero3_checkpoint", "zero_model_state",
+                                                "get_model_state_files", "get_optim_files", "to_torch_tensor")}
+
+
+def check_private_api() -> None:
+    import importlib
+
+    import deepspeed
+    for module, names in PRIVATE_API.items():
+        missing = [name for name in names if not hasattr(importlib.import_module(module), name)]
+        if missing:
+            raise files.CheckpointError(
+                f"DeepSpeed {deepspeed.__version__} lacks {module}.{', '.join(missing)}, which core reads DeepSpeed "
+                f"checkpoints with; install the version setup.cfg names (pip install -e '.[deepspeed]').")
+
+
 def read_deepspeed(path) -> dict:
     """A checkpoint directory that Fabric.save wrote under DeepSpeed, as the logical checkpoint: each engine's
     fp32 weights and optimizer state merged from the partitions of every rank (DeepSpeed's zero_to_fp32
@@ -108,6 +127,7 @@ def read_deepspeed(path) -> dict:
     except ImportError:
         raise files.CheckpointError(f"{path} is a DeepSpeed checkpoint; reading it needs DeepSpeed: pip install "
                                          f"-e '.[deepspeed]'.") from None
+    check_private_api()
     path = Path(path)
     saved = files.load_checkpoint(path / files.STATE)
     engines = {}
