@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.record import ROOT, table, write
+from benchmarks.record import ROOT, table, uncommitted, write
 from benchmarks.workloads import WORKLOADS
 
 CADENCE = 500  # common/config.py's default --checkpoint-every
@@ -51,6 +51,9 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats; writes results/quick/")
     args = parser.parse_args(argv)
+    if not args.quick and uncommitted():
+        parser.error("a full run writes the committed results, which must come from a commit: commit (or stash) "
+                     "the changes first, or pass --quick")
     print(run_cadence(args.quick))
 
 

@@ -37,6 +37,12 @@ def environment() -> dict:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
+def uncommitted() -> bool:
+    """True when the code differs from its commit (outside the results and the README this harness writes):
+    a full run's figures, which are committed, must come from code a commit holds."""
+    return environment()["commit"].endswith("-dirty")
+
+
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 from benchmarks import cadence, maml_speed, overhead, parity
-from benchmarks.record import RESULTS, ROOT, bar_chart, environment, results_dir, table, write
+from benchmarks.record import RESULTS, ROOT, bar_chart, environment, results_dir, table, uncommitted, write
 from benchmarks.workloads import WORKLOADS
 
 PARTS = ("overhead", "maml", "parity", "checkpoint", "cadence", "quality")
@@ -372,6 +372,9 @@ def main(argv=None):
     unknown = set(parts) - set(PARTS)
     if unknown:
         parser.error(f"unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    if not args.quick and uncommitted():  # a committed figure must come from code a commit holds
+        parser.error("a full run writes the committed results, which must come from a commit: commit (or stash) "
+                     "the changes first, or pass --quick (writes results/quick/ only)")
     if not args.quick and missing_peers(parts):  # a full run would replace committed peer rows by "not installed"
         parser.error(f"a full run rewrites the committed results, whose peer rows need "
                      f"{', '.join(missing_peers(parts))}: pip install -e '.[bench]', or pass --quick (writes "

@@ -212,10 +212,11 @@ class RunDir:
             return
         if config.resume:
             print(f"Resumed from {config.resume} at step {step}, writing to {self.path}", flush=True)
-        kept = [r for r in self.metrics() if r["step"] <= step]
         self._create()
-        with open(self.path / "metrics.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+        if (self.path / "metrics.jsonl").exists():  # created by the first record, not before: a run shows it
+            kept = [r for r in self.metrics() if r["step"] <= step]  # has trained once metrics.jsonl is there
+            with open(self.path / "metrics.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
         self.write_json("config.json", {"workload": self.workload, **dataclasses.asdict(config)})
         if hasattr(config, "loggers"):  # --logger (the wrapped scripts' flag): the same records, also cut at `step`
             self.loggers = config.loggers(self.path, step)

@@ -16,7 +16,16 @@ from benchmarks.workloads import WORKLOADS
 def results(tmp_path, monkeypatch):
     monkeypatch.setattr(record, "RESULTS", tmp_path)
     monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench, "uncommitted", lambda: False)  # as from a clean commit, whatever this tree holds
     return tmp_path
+
+
+def test_a_full_run_from_uncommitted_code_is_refused(results, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "uncommitted", lambda: True)
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["--only", "overhead"])
+    assert refused.value.code == 2 and "must come from a commit" in capsys.readouterr().err
+    assert not list(results.iterdir())  # nothing written
 
 
 @pytest.mark.slow

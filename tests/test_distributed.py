@@ -242,7 +242,7 @@ def test_fsdp_checkpoint_resumes_on_one_process(tmp_path):
     common = ["-m", "autoencoder.train", "--dataset", "fake", "--width", "4", "--batch-size", "8"]
     run([*common, "--strategy", "fsdp", "--accelerator", "cpu", "--devices", "2", "--max-steps", "3",
          "--out", str(tmp_path)])
-    run([*common, "--max-steps", "5", "--resume", str(tmp_path)])
+    run([*common, "--max-steps", "5", "--strategy", "auto", "--devices", "1", "--resume", str(tmp_path)])
     from core.checkpoint import load_checkpoint
     assert load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["step"] == 5
 

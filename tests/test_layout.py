@@ -3,6 +3,7 @@ differ only where core replaces something, and the files keep to their roles."""
 import ast
 import difflib
 import io
+import re
 import tokenize
 from pathlib import Path
 
@@ -139,3 +140,13 @@ def test_every_file_opens_with_a_docstring():
     for folder in ("core", "common", "gan", "autoencoder", "metalearn", "benchmarks"):
         for path in (ROOT / folder).rglob("*.py"):
             assert ast.get_docstring(ast.parse(path.read_text())), path
+
+
+@pytest.mark.parametrize("workload", sorted(BUDGETS))
+def test_the_workload_readmes_state_the_registrys_quality_targets(workload):
+    """Each target a workload README states ("target >= 33", "target ... is <= 0.38") is the registry's."""
+    text = " ".join((ROOT / workload / "README.md").read_text().split())
+    stated = re.findall(r"[Tt]arget[^.;]*?([<>]=) ?([\d.]+)", text)
+    registry = {(q.target.split()[0], q.target.split()[1].rstrip(".")) for q in WORKLOADS[workload].quality}
+    assert {(op, value.rstrip(".")) for op, value in stated} <= registry, (stated, registry)
+
