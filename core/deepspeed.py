@@ -52,7 +52,7 @@ class DeepSpeed(DDP):
             try:
                 config = json.loads(Path(config).read_text())
             except (OSError, json.JSONDecodeError) as error:
-                raise ValueError(f"DeepSpeed config {config}: cannot read it as JSON ({error}).") from None
+                raise ValueError(f"DeepSpeed config {config}: cannot read it as JSON ({error}).") from error
         if config is not None and not isinstance(config, dict):
             raise TypeError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}.")
         self.user_config = config
@@ -207,7 +207,7 @@ class DeepSpeed(DDP):
                 loaded, _ = engine.load_checkpoint(str(path), tag=state["deepspeed_tag"], load_module_strict=strict,
                                                    load_optimizer_states=True, load_lr_scheduler_states=False)
         except ZeRORuntimeException as error:
-            raise checkpoint.CheckpointError(f"DeepSpeed cannot load {key!r} from {path}: {error}") from None
+            raise checkpoint.CheckpointError(f"DeepSpeed cannot load {key!r} from {path}: {error}") from error
         if loaded is None:
             raise checkpoint.CheckpointError(f"DeepSpeed could not load {key!r} from {path}.")
 

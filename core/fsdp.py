@@ -127,7 +127,8 @@ class FSDP(DDP):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
-    # checkpoints: sharded (core/checkpoint/sharded.py); a one-file or DeepSpeed checkpoint loads whole and is sharded here
+    # checkpoints: sharded (core/checkpoint/sharded.py); a one-file or DeepSpeed checkpoint loads whole and is
+    # sharded here
     def save_checkpoint(self, path, state: dict) -> None:
         from core.checkpoint import sharded
         sharded.save(path, state, self.global_rank, self.barrier)

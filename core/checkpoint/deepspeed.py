@@ -29,7 +29,7 @@ def check_shapes(module, saved: dict, strict: bool, key: str) -> None:
                      name in dict(module.named_parameters())]
     if problems:
         raise files.CheckpointError(f"The checkpoint's {key!r} does not match the model: "
-                                         f"{'; '.join(problems[:8])}. Was it saved from a model of another shape?")
+                                    f"{'; '.join(problems[:8])}. Was it saved from a model of another shape?")
 
 
 def load_full_module(engine, state: dict, strict: bool, key: str) -> None:
@@ -66,8 +66,8 @@ def load_full_optimizer(engine, state: dict) -> None:
         groups = groups * len(base.param_groups)
     if len(groups) != len(base.param_groups):
         raise files.CheckpointError(f"The checkpoint's optimizer has {len(groups)} parameter groups; this "
-                                         f"DeepSpeed engine splits them into {len(base.param_groups)}, which core "
-                                         f"cannot pair. Resume with the strategy that saved it.")
+                                    f"DeepSpeed engine splits them into {len(base.param_groups)}, which core "
+                                    f"cannot pair. Resume with the strategy that saved it.")
     if not base.state:
         if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3 puts each sub-group's partition in its group to step
             pairs = [(base.param_groups[zero.sub_group_to_group_id[i]], flat)
@@ -126,7 +126,7 @@ def read_deepspeed(path) -> dict:
         from deepspeed.utils import zero_to_fp32
     except ImportError:
         raise files.CheckpointError(f"{path} is a DeepSpeed checkpoint; reading it needs DeepSpeed: pip install "
-                                         f"-e '.[deepspeed]'.") from None
+                                    f"-e '.[deepspeed]'.") from None
     check_private_api()
     path = Path(path)
     saved = files.load_checkpoint(path / files.STATE)
@@ -151,7 +151,7 @@ def _merge_partitions(folder: Path, z) -> tuple[dict, dict]:
     world_size = max(world_size) if isinstance(world_size, list) else world_size
     if len(optims) != world_size:
         raise files.CheckpointError(f"{folder} holds {len(optims)} optimizer partitions of {world_size}: a rank's "
-                                         f"files are missing. Resume from an earlier checkpoint.")
+                                    f"files are missing. Resume from an earlier checkpoint.")
     states = []
     for model in models:
         buffers = {k: v for k, v in model["module"].items() if k in model["buffer_names"]}
@@ -208,9 +208,9 @@ def safe_loader(**defaults):
                 return torch.load(file, map_location=map_location or defaults.get("map_location"), weights_only=True)
         except pickle.UnpicklingError as error:
             raise files.CheckpointError(f"{file} holds objects outside the allowed tensor and DeepSpeed "
-                                             f"types, so it was refused unread: "
-                                             f"{str(error).splitlines()[0][:200]}") from None
+                                        f"types, so it was refused unread: "
+                                        f"{str(error).splitlines()[0][:200]}") from error
         except (RuntimeError, EOFError, OSError) as error:
             raise files.CheckpointError(f"{file} is not readable ({str(error).splitlines()[0][:200]}). "
-                                             f"Resume from an earlier checkpoint.") from None
+                                        f"Resume from an earlier checkpoint.") from error
     return load

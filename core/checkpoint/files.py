@@ -90,7 +90,7 @@ def load_checkpoint(path, raw: bool = False) -> dict:
             raise CheckpointError(
                 f"{path} holds pickled objects that are not plain tensors and containers, so it was refused "
                 f"without running any of it (weights_only loading). Only load files you trust. "
-                f"{detail[:200]}") from None
+                f"{detail[:200]}") from error
         # torch's text around the cause: the advice to file an issue or rerun unsafely is not for this case
         advice = ("Weights only", "Please file an issue", "Check the documentation", "Re-running")
         detail = next((line for line in lines if not line.startswith(advice)), lines[-1])

@@ -121,14 +121,14 @@ def load_into(path, held: dict) -> dict:
         mismatch = [line.strip() for line in text.splitlines() if "Missing key" in line or "Size mismatch" in line]
         if not mismatch:
             raise files.CheckpointError(f"The sharded checkpoint {path} could not be read: "
-                                             f"{text.splitlines()[-1][:300]}") from error
+                                        f"{text.splitlines()[-1][:300]}") from error
         raise files.CheckpointError(f"The sharded checkpoint {path} does not match the model or optimizer: "
-                                         f"{'; '.join(dict.fromkeys(mismatch))[:600]}. Was it saved from a model of "
-                                         f"another shape, or with another optimizer?") from error
+                                    f"{'; '.join(dict.fromkeys(mismatch))[:600]}. Was it saved from a model of "
+                                    f"another shape, or with another optimizer?") from error
     except RuntimeError as error:  # DCP's planner: keys or shapes that the model does not have
         raise files.CheckpointError(f"The sharded checkpoint {path} does not match the model or optimizer: "
-                                         f"{str(error).splitlines()[0][:600]}. Was it saved from a model of "
-                                         f"another shape, or with another optimizer?") from error
+                                    f"{str(error).splitlines()[0][:600]}. Was it saved from a model of "
+                                    f"another shape, or with another optimizer?") from error
 
 
 def read_full(path) -> dict:
@@ -170,13 +170,13 @@ class SafeReader(_Reader):
             metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
         except (pickle.UnpicklingError, EOFError, OSError, AttributeError, ValueError, TypeError) as error:
             raise files.CheckpointError(f"{file} is not a readable sharded checkpoint's metadata ({error}); it "
-                                             f"was refused without running any of it. Resume from an earlier "
-                                             f"checkpoint.") from None
+                                        f"was refused without running any of it. Resume from an earlier "
+                                        f"checkpoint.") from error
         pickled = [key for key, entry in metadata.state_dict_metadata.items()
                    if isinstance(entry, BytesStorageMetadata)]
         if pickled:
             raise files.CheckpointError(f"The sharded checkpoint {self.path} holds pickled objects ({pickled[:3]}), "
-                                             f"which core never writes; it was refused without reading them.")
+                                        f"which core never writes; it was refused without reading them.")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
