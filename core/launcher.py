@@ -88,9 +88,34 @@ def _first_slurm_host(nodelist: str) -> str:
 
 
 def free_port() -> int:
+    """A port free now, for a server started later (tests, benchmarks); another process may take it in between:
+    the launcher itself binds rank 0's store first instead (host_store)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+_store = None  # rank 0's TCPStore in a process that starts the other ranks itself (host_store)
+
+
+def host_store(world_size: int) -> int:
+    """Start rank 0's rendezvous store on a port the OS picks, bound before any other rank starts (no window
+    in which another process could take it), and return the port for the other ranks' MASTER_PORT."""
+    global _store
+    from torch.distributed import TCPStore
+    _store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    return _store.port
+
+
+def own_store():
+    """The store of a run whose ranks this launcher started: in rank 0 the one host_store started, in a re-run
+    rank a client of it (both passed to init_process_group, so neither adds env://'s key prefix); None under
+    torchrun or SLURM, whose env:// rendezvous init_process_group does itself."""
+    if _store is None and "CORE_PARENT_PID" in os.environ:
+        from torch.distributed import TCPStore
+        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                        is_master=False)
+    return _store
 
 
 def _this_command() -> list[str]:
@@ -110,7 +135,8 @@ def _this_command() -> list[str]:
 def solo_environment() -> dict:
     """A process group of one, for a distributed strategy asked to run on a single process."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(host_store(1))
     return {"global_rank": 0, "local_rank": 0, "world_size": 1, "node_rank": 0, "local_world_size": 1}
 
 
@@ -151,7 +177,7 @@ def set_threads(processes_on_this_machine: int, announce: bool = True) -> None:
 
 def rerun_for_other_ranks(num_processes: int) -> dict:
     """Start ranks 1..N-1 as copies of this command; return the environment of rank 0 (this process)."""
-    port = free_port()
+    port = host_store(num_processes)
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(num_processes),
             "LOCAL_WORLD_SIZE": str(num_processes), "NODE_RANK": "0", "GROUP_RANK": "0"}
     os.environ.update(base, RANK="0", LOCAL_RANK="0")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from core import checkpoint
+from core import checkpoint, launcher
 
 class SingleDevice:
     """One process, one device. Every other strategy extends this one."""
@@ -184,6 +184,7 @@ class DDP(SingleDevice):
             # on CUDA, gloo serves CPU tensors beside nccl: the bounded exit barrier (monitored_barrier) needs it
             backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, rank=self.global_rank, world_size=self.world_size,
+                                    store=launcher.own_store(),  # rank 0's, bound before the others started
                                     device_id=self.device if self.device.type == "cuda" else None)
 
     def setup_module(self, module: nn.Module, **kwargs) -> nn.Module:
