@@ -36,7 +36,10 @@ def main(argv=None):
             "wrapped": [sys.executable, "-m", f"{args.workload}.train", *common, "--strategy", args.strategy,
                         "--devices", args.devices, "--out", str(out / "wrapped")]}
     summaries, metrics = {}, {}
-    shutil.rmtree(out, ignore_errors=True)  # both runs of an earlier comparison
+    if out.exists():  # both runs of an earlier comparison: removed only in the default place, which is ours
+        if not out.resolve().is_relative_to((RESULTS / "compare").resolve()):
+            parser.error(f"{out} holds an earlier comparison; remove it or pass another --out")
+        shutil.rmtree(out)
     for name, command in runs.items():
         print(f"{name}: {' '.join(command[1:])}", flush=True)
         subprocess.run(command, cwd=ROOT, env=env, check=True)

@@ -68,16 +68,16 @@ def parse(config_class, argv=None, prog=None, description=None):
     for action in parser._actions:  # parsed again without defaults: what is left was on the command line
         action.default = argparse.SUPPRESS
     config.given = set(vars(parser.parse_args(argv)))  # (a resume takes the others from the run's config.json)
-    try:
+    if hasattr(config, "resume"):
+        try:  # where it writes, what it resumes (and, on a resume, the flags not typed: the run's own)
+            resolve_run(config, (prog or "").split(" -m ")[-1].split(".")[0])
+        except ValueError as error:
+            error_exit(prog, str(error))
+    try:  # after resolve_run, so that the flags a resume restored are checked too
         if hasattr(config, "check"):
             config.check()
     except ValueError as error:
         parser.error(str(error))
-    if hasattr(config, "resume"):
-        try:  # where it writes, what it resumes
-            resolve_run(config, (prog or "").split(" -m ")[-1].split(".")[0])
-        except ValueError as error:
-            error_exit(prog, str(error))
     return config
 
 

@@ -28,9 +28,8 @@ import torch
 RESUMABLE_CHANGES = {"out", "resume", "max_steps", "checkpoint_every", "log_every", "num_workers", "data_root",
                      "download", "devices", "num_nodes", "strategy", "accelerator", "compile", "eval_every",
                      "logger", "sample_every", "eval_samples", "eval_tasks", "eval_queries"}
-# Fields a resume does not take from the run's config.json: where the files are on this machine, and the
-# resume's own destination and source.
-NOT_RESTORED = {"out", "resume", "data_root", "download", "num_workers"}
+# Fields a resume does not take from the run's config.json: its own destination and source.
+NOT_RESTORED = {"out", "resume"}
 LAST = "last.ckpt"
 
 
@@ -90,6 +89,8 @@ def resume_path(resume: str) -> Path:
     path = Path(resume)
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints" / LAST
+    elif path.name == "checkpoints" and path.is_dir():  # RUN/checkpoints: its newest
+        path = path / LAST
     previous = path.with_name(f".{path.name}.old")  # a sharded save killed between its two renames
     if not path.exists() and previous.exists():
         return previous
@@ -100,7 +101,7 @@ def resume_path(resume: str) -> Path:
 
 def run_of(checkpoint: Path) -> Path | None:
     """The run directory a checkpoint belongs to (RUN for RUN/checkpoints/NAME), or None outside one."""
-    parent = checkpoint.parent
+    parent = Path(os.path.abspath(checkpoint)).parent if checkpoint.parent.name != "checkpoints" else checkpoint.parent
     return parent.parent if parent.name == "checkpoints" and (parent.parent / "config.json").is_file() else None
 
 
@@ -180,15 +181,20 @@ class RunDir:
     (config.json, written once data, models and any resumed checkpoint have loaded); a default directory is
     claimed at once and removed again if the run fails before writing to it."""
 
-    def __init__(self, out: str, workload: str, write: bool = True, broadcast=None):
+    def __init__(self, out: str, workload: str, write: bool = True, broadcast=None, resume: str = ""):
         """`out`: the run directory resolve_run chose ("" for a new default one). `broadcast` (e.g.
-        fabric.broadcast) hands every rank rank 0's value, so that all ranks agree on a default name."""
+        fabric.broadcast) hands every rank rank 0's value, so that all ranks agree on a default name and on
+        `resume`, the checkpoint resolve_run found (each process looked for itself: a node that does not see
+        the run directory would start afresh while the others resume)."""
         if write:
             if out:
                 _check_writable(Path(out))
             else:
                 out = str(_new_directory(workload))
         self.path = Path(broadcast(out) if broadcast is not None else out)
+        if broadcast is not None and broadcast(resume) != resume:
+            raise ValueError(f"this process found {resume or 'no checkpoint'} to resume from and rank 0 found another "
+                             f"(or none) in {self.path}: the run directory must be on a filesystem every node sees")
         self.workload, self.write = workload, write  # write: False on every rank but 0
         self.started = time.perf_counter()
         self.loggers = []  # objects with Lightning's log_metrics(metrics, step) and finalize(status); see start

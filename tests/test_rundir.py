@@ -95,7 +95,8 @@ def test_a_resume_keeps_the_runs_own_flags_unless_given_again(tmp_path):
     run_dir = make_run(tmp_path / "run", max_steps=300, latent=8, strategy="ddp", devices="2", data_root="/elsewhere")
     config = parsed("--resume", str(run_dir))
     assert (config.max_steps, config.latent, config.strategy, config.devices) == (300, 8, "ddp", "2")
-    assert config.data_root == "data"  # where the files are on this machine is not the run's
+    assert config.data_root == "/elsewhere"  # the run's too; typed again where the files lie elsewhere
+    assert parsed("--resume", str(run_dir), "--data-root", "here").data_root == "here"
     assert parsed("--resume", str(run_dir), "--max-steps", "500").max_steps == 500
     with pytest.raises(SystemExit):  # a flag that changes what is computed, given differently
         parsed("--resume", str(run_dir), "--latent", "16")
@@ -114,6 +115,16 @@ def test_flags_that_change_no_computation_may_change_on_resume(tmp_path):
     config = parsed("--resume", str(run_dir), "--logger", "none", "--log-every", "7")
     assert (config.logger, config.log_every) == ("none", 7)
     assert {"logger", "sample_every", "eval_samples", "eval_tasks", "eval_queries"} <= RESUMABLE_CHANGES
+
+
+def test_a_process_that_sees_another_checkpoint_than_rank_0_stops(tmp_path):
+    """Each process resolves --resume auto itself; one on a node that does not see rank 0's checkpoint (a
+    node-local --out) must not start afresh beside ranks that resume."""
+    rank_0 = iter([str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints" / "last.ckpt")])
+    with pytest.raises(ValueError, match="the run directory must be on a filesystem every node sees"):
+        RunDir(str(tmp_path / "run"), "gan", write=False, broadcast=lambda value: next(rank_0), resume="")
+    agreed = iter([str(tmp_path / "run"), ""])
+    RunDir(str(tmp_path / "run"), "gan", write=False, broadcast=lambda value: next(agreed), resume="")
 
 
 def test_default_run_directories_never_collide(tmp_path, monkeypatch):

@@ -104,8 +104,8 @@ def load_into(path, held: dict) -> dict:
     reader = SafeReader(str(path))
     metadata = reader.read_metadata()
     # every rank reads the same metadata, so all of them refuse together, before any waits in a collective
-    files = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
-    absent = sorted(name for name in files if name and not (Path(path) / name).exists())
+    names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+    absent = sorted(name for name in names if name and not (Path(path) / name).exists())
     if absent:
         raise files.CheckpointError(
             f"The sharded checkpoint {path} lacks {', '.join(absent)}: every rank writes its own shard files, so "
