@@ -121,9 +121,9 @@ def restore(saved: dict, state: dict, strategy, precision, module_of: dict, path
     if missing and strict:
         held = sorted(map(str, saved))
         shown = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
-        raise CheckpointError(f"The checkpoint {path} has no {missing} (it holds {shown}). Pass strict=False to "
-                              f"load what is there; a bare state dict (torch.save(model.state_dict())) loads with "
-                              f"fabric.load_raw(path, model).")
+        raise CheckpointError(f"The checkpoint {path} has no {missing} (it holds {shown}): was it saved by another "
+                              f"script or workload? In your own code, fabric.load(path, state, strict=False) loads "
+                              f"what is there, and fabric.load_raw(path, model) a bare state dict.")
     for key, value in state.items():
         if key not in saved:
             continue
