@@ -72,6 +72,8 @@ def test_before_launch_world_size_is_known_and_loaders_refuse():
 
 # --- loggers and callbacks ------------------------------------------------------------------------
 def test_log_dict_writes_every_logger_and_call_filters_keywords(tmp_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+
     class Recorder:
         def __init__(self):
             self.seen = []
