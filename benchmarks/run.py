@@ -18,11 +18,11 @@ import statistics
 import subprocess
 import sys
 
-from benchmarks import cadence, maml_speed, overhead, parity
+from benchmarks import cadence, evaluation, maml_speed, overhead, parity
 from benchmarks.record import RESULTS, ROOT, bar_chart, environment, results_dir, table, uncommitted, write
 from benchmarks.workloads import WORKLOADS
 
-PARTS = ("overhead", "maml", "parity", "checkpoint", "cadence", "quality")
+PARTS = ("overhead", "maml", "parity", "checkpoint", "cadence", "evaluation", "quality")
 # plus each workload's noise floor (A/A rows); only where the plain side runs the same strategy (parity.plain_reference)
 TARGETS = {"single": 1.03, "ddp": 1.05, "fsdp": 1.05}
 NOT_INSTALLED = "not installed: pip install -e '.[bench]'"
@@ -390,13 +390,13 @@ def main(argv=None):
             parser.error(f"--workloads reruns part of the quality rows, but {RESULTS / 'quality.json'} does not "
                          f"exist yet; run the whole quality part first (--only quality without --workloads)")
     runs = {"overhead": run_overhead, "maml": run_maml, "parity": run_parity, "checkpoint": run_checkpoint,
-            "cadence": cadence.run_cadence, "quality": lambda quick: run_quality(workloads)}
+            "cadence": cadence.run_cadence, "evaluation": evaluation.run_evaluation, "quality": lambda quick: run_quality(workloads)}
     for part in PARTS:
         if part not in parts or (part == "quality" and args.quick):
             continue
         markdown = runs[part](args.quick)
         print(markdown)
-        if not args.quick and not args.no_readme and part != "cadence":  # part by part: a later failure loses none
+        if not args.quick and not args.no_readme and part not in ("cadence", "evaluation"):  # part by part: a later failure loses none
             update_readme({"maml_speed" if part == "maml" else part: markdown})
     if args.quick:
         print(f"Quick results are in {results_dir(True)}; README.md and the full results are unchanged.")

@@ -83,8 +83,8 @@ def parse(config_class, argv=None, prog=None, description=None):
 
 def cli(main, *config_classes, prog: str, description: str = ""):
     """Run `main(config)` from the command line: bad input (flags, data, checkpoints: ValueError and
-    FileNotFoundError) exits with status 2 and one line, a diverged run (FloatingPointError) with 1 and
-    one line; anything else is a bug and keeps its traceback. SUITE_TRACEBACK=1 in the environment keeps
+    FileNotFoundError) exits with status 2 and one line, a diverged run (FloatingPointError) or a rank that
+    waited past the collective timeout (TimeoutError) with 1 and one line; anything else is a bug and keeps its traceback. SUITE_TRACEBACK=1 in the environment keeps
     the traceback of the one-line errors too. Before such an exit, `config.on_failure()` (where the config
     has one: core's flags) tells the launcher not to wait for the other ranks."""
     config = parse(merge(*config_classes), prog=prog, description=description)
@@ -97,7 +97,7 @@ def cli(main, *config_classes, prog: str, description: str = ""):
             raise
         failing()
         error_exit(prog, str(error))
-    except FloatingPointError as error:  # the run diverged: not misuse, but no traceback is needed either
+    except (FloatingPointError, TimeoutError) as error:  # diverged, or waited too long: no traceback needed
         failing()
         sys.stderr.write(f"{prog}: stopped: {error}\n")
         sys.exit(1)

@@ -18,6 +18,7 @@ import atexit
 import dataclasses
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -27,7 +28,8 @@ import torch
 # field given on a resume's command line must equal the run's (check_resume_config).
 RESUMABLE_CHANGES = {"out", "resume", "max_steps", "checkpoint_every", "log_every", "num_workers", "data_root",
                      "download", "devices", "num_nodes", "strategy", "accelerator", "compile", "eval_every",
-                     "logger", "sample_every", "eval_samples", "eval_tasks", "eval_queries"}
+                     "logger", "sample_every", "eval_samples", "eval_tasks", "eval_queries",
+                     "collective_timeout"}
 # Fields a resume does not take from the run's config.json: its own destination and source.
 NOT_RESTORED = {"out", "resume"}
 LAST = "last.ckpt"
@@ -192,6 +194,8 @@ class RunDir:
             else:
                 out = str(_new_directory(workload))
         self.path = Path(broadcast(out) if broadcast is not None else out)
+        if broadcast is not None:
+            _check_shared(self.path, write, broadcast)
         if broadcast is not None and broadcast(resume) != resume:
             raise ValueError(f"this process found {resume or 'no checkpoint'} to resume from and rank 0 found another "
                              f"(or none) in {self.path}: the run directory must be on a filesystem every node sees")
@@ -300,6 +304,29 @@ def cuda_peak() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return {"peak_cuda_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1)}
     return {}
+
+
+def _check_shared(path: Path, write: bool, broadcast) -> None:
+    """Every rank must see the run directory rank 0 writes: checkpoints are read on every rank, and under fsdp
+    and DeepSpeed every rank writes its shard into it. Rank 0 leaves a marker there; a rank that does not see
+    it (a disk local to its node) stops at once, before any training, instead of at its first checkpoint."""
+    token = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}" if write else None
+    created = write and not path.exists()
+    if write:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / f".rank-0-{token}").touch()
+    token = broadcast(token)
+    seen = (path / f".rank-0-{token}").is_file()
+    broadcast(None)  # every rank has looked before rank 0 removes the marker
+    if write:
+        (path / f".rank-0-{token}").unlink()
+        if created:
+            path.rmdir()  # an --out appears with the run's first file
+    if not seen:
+        raise ValueError(f"this process does not see the run directory {path.resolve()} that rank 0 (on host "
+                         f"{token.split('-')[0]}) writes: it must be on a filesystem every node sees (every rank reads "
+                         f"the checkpoints, and under fsdp and deepspeed writes its shard there); pass an --out on "
+                         f"shared storage")
 
 
 def _check_writable(path: Path) -> None:

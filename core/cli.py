@@ -8,8 +8,8 @@ import torch
 
 from core import launcher
 from core.precision import PRECISIONS
-from core.strategies import STRATEGIES
-from core.validation import ACCELERATORS, check_installed, device_kind
+from core.strategies import STRATEGIES, SingleDevice
+from core.validation import ACCELERATORS, check_installed, device_kind, resolve_arguments
 
 # ddp_spawn runs a function in new processes (fabric.launch(fn)); the scripts run top to bottom after a
 # plain fabric.launch(), which re-runs the command for the other ranks, so the flag does not offer it.
@@ -29,6 +29,9 @@ class FabricFlags:
                 "per visible GPU with cuda, 1 on cpu, the number started by torchrun or SLURM under them"})
     num_nodes: int = field(default=1, metadata={"help": "machines (more than one needs torchrun or SLURM)"})
     precision: str = field(default="32-true", metadata={"help": "numeric precision", "choices": tuple(PRECISIONS)})
+    collective_timeout: float = field(default=1800, metadata={
+        "help": "seconds a process waits in a collective for the others (for rank 0's evaluation, say) before it "
+                "stops with an error naming this flag"})
     logger: str = field(default="csv", metadata={
         "help": "where the log records go besides metrics.jsonl: csv (metrics.csv in the run directory), tensorboard "
                 "(tensorboard/ in it; needs the tensorboard extra), or none",
@@ -52,6 +55,8 @@ class FabricFlags:
             print("[core] --precision 16-mixed on the CPU: float16 autocast with a loss scaler, about 15x slower "
                   "than 32-true here (the CPU's kernels are float32 and bfloat16); --precision bf16-mixed is the "
                   "CPU's mixed precision.", file=sys.stderr, flush=True)
+        if self.collective_timeout <= 0:
+            raise ValueError(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout:g}")
         if self.logger == "tensorboard":
             try:
                 import tensorboard  # noqa: F401
@@ -73,5 +78,9 @@ class FabricFlags:
 
     def fabric_options(self) -> dict:
         devices = int(self.devices) if self.devices.isdigit() else self.devices
-        return {"accelerator": self.accelerator, "strategy": self.strategy, "devices": devices,
-                "num_nodes": self.num_nodes, "precision": self.precision}
+        options = {"accelerator": self.accelerator, "strategy": self.strategy, "devices": devices,
+                   "num_nodes": self.num_nodes, "precision": self.precision}
+        strategy = resolve_arguments(*options.values(), None)[1]  # "auto" as Fabric resolves it
+        if STRATEGIES[strategy][0] is not SingleDevice:  # one process has no collective to wait in
+            options["timeout"] = self.collective_timeout
+        return options

@@ -40,10 +40,11 @@ class DeepSpeed(DDP):
     moves_module = False  # the engine places the module
     options_key = None  # DeepSpeed takes its options in the config
 
-    def __init__(self, device, precision, stage: int | None = None, offload: bool = False, config=None):
+    def __init__(self, device, precision, stage: int | None = None, offload: bool = False, config=None,
+                 timeout=None):
         """`stage` None takes the stage from the config (2 if it has none); core's STRATEGIES give each
-        `deepspeed_stage_*` name its fixed stage and offload."""
-        super().__init__(device, precision)
+        `deepspeed_stage_*` name its fixed stage and offload. `timeout`: as for ddp."""
+        super().__init__(device, precision, timeout=timeout)
         self.fixed_stage = stage is not None
         self.stage = stage if stage is not None else 2
         self.offload = offload
@@ -94,7 +95,7 @@ class DeepSpeed(DDP):
         os.environ.setdefault("LOCAL_RANK", str(self.local_rank))
         import deepspeed
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
-                                   auto_mpi_discovery=False, verbose=False)
+                                   auto_mpi_discovery=False, verbose=False, timeout=self.timeout)
 
     def setup_module_and_optimizers(self, module, optimizers: list, **kwargs):
         import deepspeed

@@ -23,12 +23,12 @@ class FSDP(DDP):
     options_key = "fsdp"
 
     def __init__(self, device, precision, wrap_modules=(), reshard_after_forward: bool | None = None,
-                 cpu_offload: bool = False):
+                 cpu_offload: bool = False, timeout=None):
         """`reshard_after_forward` None is FSDP2's own default: the shard groups inside free their gathered
         parameters after forward and gather them again in backward, the root keeps them (it is needed first in
         backward). True made the root all-gather twice per step (122 all-gathers in 60 steps against plain
-        FSDP2's 61, benchmarks/plain_fsdp.py)."""
-        super().__init__(device, precision)
+        FSDP2's 61, benchmarks/plain_fsdp.py). `timeout`: as for ddp."""
+        super().__init__(device, precision, timeout=timeout)
         self.wrap_modules = tuple(wrap_modules)
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload

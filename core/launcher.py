@@ -108,14 +108,26 @@ def host_store(world_size: int) -> int:
 
 
 def own_store():
-    """The store of a run whose ranks this launcher started: in rank 0 the one host_store started, in a re-run
-    rank a client of it (both passed to init_process_group, so neither adds env://'s key prefix); None under
-    torchrun or SLURM, whose env:// rendezvous init_process_group does itself."""
-    if _store is None and "CORE_PARENT_PID" in os.environ:
-        from torch.distributed import TCPStore
-        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                        is_master=False)
-    return _store
+    """The store init_process_group is given, or None for its own env:// rendezvous (SLURM):
+    - a run whose ranks this launcher started: in rank 0 the store host_store started, elsewhere a client of it;
+    - under torchrun: a client of the agent's store, its keys prefixed by the restart count. The agent keeps
+      one store across the restarts of `--max-restarts`; with env://'s fixed key names a restarted rank could
+      read a dead rank's address from the round before and fail in gloo's connection set-up."""
+    env = os.environ
+    if _store is not None:
+        return _store
+    if "CORE_STORE_CLIENT" in env:
+        return _client_store()
+    if "TORCHELASTIC_RESTART_COUNT" in env and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        from torch.distributed import PrefixStore
+        return PrefixStore(f"core/restart{env['TORCHELASTIC_RESTART_COUNT']}/", _client_store())
+    return None
+
+
+def _client_store():
+    from torch.distributed import TCPStore
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                    is_master=False)
 
 
 def _this_command() -> list[str]:
@@ -185,7 +197,8 @@ def rerun_for_other_ranks(num_processes: int) -> dict:
     command = _this_command()
     children = {}
     for rank in range(1, num_processes):
-        env = {**os.environ, **base, "RANK": str(rank), "LOCAL_RANK": str(rank), "CORE_PARENT_PID": str(os.getpid())}
+        env = {**os.environ, **base, "RANK": str(rank), "LOCAL_RANK": str(rank), "CORE_PARENT_PID": str(os.getpid()),
+               "CORE_STORE_CLIENT": "1"}
         children[rank] = subprocess.Popen(command, env=env)
     _watch_children(children)
     return cluster_environment()
@@ -358,7 +371,8 @@ def spawn(fn, num_processes: int, fabric, args, kwargs):
     """strategy='ddp_spawn': run fn(fabric, *args) in N new processes and return rank 0's result."""
     import torch.multiprocessing as mp
 
-    port = free_port()
+    global _store
+    port = host_store(num_processes)  # held by this process, which is no rank: every rank is a client of it
     queue = mp.get_context("spawn").SimpleQueue()
     threads = threads_per_process(num_processes)
     context = mp.start_processes(_spawned, args=(fn, num_processes, port, threads, fabric, args, kwargs, queue),
@@ -372,6 +386,8 @@ def spawn(fn, num_processes: int, fabric, args, kwargs):
         raise RuntimeError(f"rank {error.error_index} exited with code {error.exit_code}"
                            f"{' (' + signal.Signals(-error.exit_code).name + ')' if error.exit_code < 0 else ''}; "
                            f"the other ranks were stopped.") from None
+    finally:
+        _store = None
     return queue.get() if not queue.empty() else None
 
 
@@ -379,7 +395,8 @@ def _spawned(rank, fn, num_processes, port, threads, fabric, args, kwargs, queue
     # The process ends with os._exit once its work is done: gloo's threads can abort the interpreter's
     # normal shutdown ("terminate called without an active exception"), which would fail a good run.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(num_processes),
-                      LOCAL_WORLD_SIZE=str(num_processes), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
+                      LOCAL_WORLD_SIZE=str(num_processes), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      CORE_STORE_CLIENT="1")
     torch.set_num_threads(threads)
     fabric._start_distributed(cluster_environment())
     result = fn(fabric, *args, **kwargs)

@@ -161,9 +161,12 @@ class DDP(SingleDevice):
     guard_submodules = True
     options_key = "ddp"
 
-    def __init__(self, device, precision, **options):
+    def __init__(self, device, precision, timeout=None, **options):
+        """`timeout`: how long a process waits in a collective for the others (seconds or a timedelta; Lightning's
+        DDPStrategy(timeout=...)), DEFAULT_TIMEOUT when None. A rank that waits longer stops with one line naming it."""
         super().__init__(device, precision, **options)
         self._check_ddp_options(options, "Fabric()")
+        self.timeout = collective_timeout(timeout)
 
     @staticmethod
     def _check_ddp_options(options: dict, where: str) -> None:
@@ -184,8 +187,11 @@ class DDP(SingleDevice):
             # on CUDA, gloo serves CPU tensors beside nccl: the bounded exit barrier (monitored_barrier) needs it
             backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, rank=self.global_rank, world_size=self.world_size,
-                                    store=launcher.own_store(),  # rank 0's, bound before the others started
+                                    timeout=max(self.timeout, DEFAULT_TIMEOUT),  # the ranks' start-up may be slow
+                                    store=launcher.own_store(),  # bound before the others started; see there
                                     device_id=self.device if self.device.type == "cuda" else None)
+            # for the collectives from here on (torch < 2.8 has the same under its older, private name)
+            (getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout)(self.timeout)
 
     def setup_module(self, module: nn.Module, **kwargs) -> nn.Module:
         if not any(p.requires_grad for p in module.parameters()):
@@ -206,15 +212,17 @@ class DDP(SingleDevice):
 
     def barrier(self, timeout: float | None = None) -> None:
         """All ranks meet; `timeout` (seconds) bounds the wait where it is not the process group's."""
-        if timeout is None:
-            dist.barrier()
-        else:  # gloo's barrier with its own bound (on CUDA the group has gloo beside nccl for this)
-            dist.monitored_barrier(timeout=timedelta(seconds=timeout))
+        with self._named_timeout("barrier"):
+            if timeout is None:
+                dist.barrier()
+            else:  # gloo's barrier with its own bound (on CUDA the group has gloo beside nccl for this)
+                dist.monitored_barrier(timeout=timedelta(seconds=timeout))
 
     def all_reduce(self, tensor, op, group=None):
         """`op`: a torch ReduceOp, or "mean" (a sum divided by the number of processes)."""
         tensor = tensor.clone()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "mean" else op, group=group)
+        with self._named_timeout("all_reduce"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "mean" else op, group=group)
         return tensor / dist.get_world_size(group) if op == "mean" else tensor
 
     def all_gather(self, tensor, group=None, sync_grads: bool = False):
@@ -227,12 +235,43 @@ class DDP(SingleDevice):
 
     def broadcast(self, obj, src: int = 0):
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        with self._named_timeout(f"broadcast from rank {src}"):
+            dist.broadcast_object_list(box, src=src)
         return box[0]
+
+    @contextmanager
+    def _named_timeout(self, what: str):
+        """Turn the backend's timeout of a collective of core's into a TimeoutError that names the setting."""
+        try:
+            yield
+        except RuntimeError as error:
+            if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
+                raise
+            raise TimeoutError(f"rank {self.global_rank} waited more than {self.timeout.total_seconds():g} s for "
+                               f"the other ranks in {what} (the collective timeout; raise it with "
+                               f"--collective-timeout SECONDS, or Fabric(timeout=...)): another rank is slower by "
+                               f"that much (long work on one rank, such as rank 0's evaluation) or is stuck") \
+                from error
 
     def teardown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's gloo default; NCCL's own is 10 minutes
+
+
+def collective_timeout(value) -> timedelta:
+    """A collective timeout given in seconds or as a timedelta (None: DEFAULT_TIMEOUT)."""
+    if value is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = timedelta(seconds=value)
+    if not isinstance(value, timedelta):
+        raise TypeError(f"timeout must be seconds or a datetime.timedelta, got {type(value).__name__}.")
+    if value.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {value.total_seconds():g} s.")
+    return value
 
 
 class _GatherWithGradients(torch.autograd.Function):

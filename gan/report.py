@@ -7,7 +7,7 @@ import torch
 from torchvision.utils import save_image
 
 from gan.data import load_images
-from gan.score import score
+from gan.score import Scorer
 
 
 def save_samples(run, images: torch.Tensor, step: int) -> None:
@@ -28,19 +28,27 @@ def generate(generator, noise: torch.Tensor, ema=None) -> torch.Tensor:
     return images
 
 
-def _score(config, generated: torch.Tensor) -> dict:
-    train_set = load_images(config.dataset, config.data_root, config.image_size)
-    test_set = load_images(config.dataset, config.data_root, config.image_size, train=False)
-    return score(generated.float().cpu(), train_set, test_set, config.dataset, config.image_size)
+_scorers = {}  # (dataset, data root, image size) -> its Scorer, built at a run's first score
+
+
+def _score(config, generated: torch.Tensor, quick: bool = False) -> dict:
+    key = (config.dataset, config.data_root, config.image_size)
+    if key not in _scorers:
+        train_set = load_images(config.dataset, config.data_root, config.image_size)
+        test_set = load_images(config.dataset, config.data_root, config.image_size, train=False)
+        _scorers[key] = Scorer(train_set, test_set, config.dataset, config.image_size)
+    scorer = _scorers[key]
+    return scorer.quick(generated.float().cpu()) if quick else scorer.score(generated.float().cpu())
 
 
 def evaluate(run, config, generated: torch.Tensor, step: int) -> float | None:
     """During training: score `generated` on rank 0 and log it; its FID there, None on the other ranks."""
     if not run.write:
         return None
-    metrics = _score(config, generated)
+    started = time.perf_counter()  # the first builds the run's Scorer; the ranks wait for rank 0 meanwhile
+    metrics = _score(config, generated, quick=True)
     run.log({"step": step, "eval_fid_classifier": metrics["fid_classifier"],
-             "eval_class_entropy": metrics["class_entropy"]})
+             "eval_class_entropy": metrics["class_entropy"], "eval_seconds": round(time.perf_counter() - started, 4)})
     return metrics["fid_classifier"]
 
 

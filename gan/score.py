@@ -78,37 +78,92 @@ def _stack(dataset) -> torch.Tensor:
     return torch.stack([image for image, _ in dataset])
 
 
-@torch.no_grad()
-def frechet_distance(classifier: Classifier, real: torch.Tensor, fake: torch.Tensor) -> float:
+class _Given(nn.Module):
+    """torchmetrics' feature extractor for features computed already: the Scorer computes the classifier's
+    body once per image and takes both the FID's features and the class entropy's logits from it."""
+
+    num_features = Classifier.num_features
+
+    def forward(self, features):
+        return features
+
+
+def _fid():
     from torchmetrics.image.fid import FrechetInceptionDistance
 
     # rank 0 alone scores its own samples: no all-gather over the run's process group, which under DDP
-    # would wait for ranks that never call this (they left after training)
-    fid = FrechetInceptionDistance(feature=classifier, normalize=True, sync_on_compute=False)
-    for chunk in real.split(256):
-        fid.update(chunk.float(), real=True)
-    for chunk in fake.split(256):
-        fid.update(chunk.float(), real=False)
+    # would wait for ranks that never call this (they left after training). The real images' statistics
+    # stay across reset(): only the generated side is recomputed.
+    return FrechetInceptionDistance(feature=_Given(), sync_on_compute=False, reset_real_features=False)
+
+
+@torch.no_grad()
+def features(classifier: Classifier, images: torch.Tensor) -> torch.Tensor:
+    """The FID feature space: (N, C, S, S) images -> (N, 128)."""
+    return torch.cat([classifier(chunk.float()) for chunk in images.split(256)])
+
+
+@torch.no_grad()
+def frechet_distance(classifier: Classifier, real: torch.Tensor, fake: torch.Tensor) -> float:
+    fid = _fid()
+    fid.update(features(classifier, real), real=True)
+    fid.update(features(classifier, fake), real=False)
     return float(fid.compute())
+
+
+def _entropy(logits: torch.Tensor) -> float:
+    p = torch.bincount(logits.argmax(1)).double() / len(logits)
+    p = p[p > 0]
+    return float((p * (1 / p).log()).sum())  # sum p log(1/p): one class gives 0.0, where -sum p log p gives -0.0
 
 
 @torch.no_grad()
 def class_entropy(classifier: Classifier, images: torch.Tensor) -> float:
     """Entropy (nats) of the classes predicted for `images`: ln(10) = 2.303 when all ten are equally common."""
-    predicted = torch.cat([classifier.logits(chunk.float()).argmax(1) for chunk in images.split(256)])
-    p = torch.bincount(predicted).double() / len(predicted)
-    p = p[p > 0]
-    return float((p * (1 / p).log()).sum())  # sum p log(1/p): one class gives 0.0, where -sum p log p gives -0.0
+    return _entropy(torch.cat([classifier.logits(chunk.float()) for chunk in images.split(256)]))
+
+
+class Scorer:
+    """The score against one dataset, its fixed parts computed once: the classifier (trained, or read from the
+    cache), the training images' feature statistics, and, when first asked for, the floor and the noise figure.
+    A run keeps one, so that an evaluation during training costs the generated images' features alone."""
+
+    def __init__(self, train_set, test_set, dataset: str, image_size: int):
+        self.classifier = train_classifier(train_set, dataset, image_size)
+        self.held_out = _stack(test_set)
+        self._fid = _fid()
+        self._fid.update(features(self.classifier, _stack(train_set)), real=True)
+        self._reference = None
+
+    @torch.no_grad()
+    def _distance(self, generated_features: torch.Tensor) -> float:
+        self._fid.reset()  # the generated side only
+        self._fid.update(generated_features, real=False)
+        return float(self._fid.compute())
+
+    def fid(self, generated: torch.Tensor) -> float:
+        return self._distance(features(self.classifier, generated))
+
+    def reference(self) -> dict:
+        """The floor (held-out real images) and the ceiling (uniform noise), the same for every score."""
+        if self._reference is None:
+            noise = torch.rand(self.held_out.shape, generator=torch.Generator().manual_seed(0)) * 2 - 1
+            self._reference = {"fid_real_floor": self.fid(self.held_out), "fid_noise": self.fid(noise)}
+        return self._reference
+
+    @torch.no_grad()
+    def quick(self, generated: torch.Tensor) -> dict:
+        """What an evaluation during training logs: the FID and the class entropy (one pass of the classifier)."""
+        found = features(self.classifier, generated)
+        logits = self.classifier.head(found * self.classifier.feature_scale)
+        return {"fid_classifier": self._distance(found), "class_entropy": _entropy(logits)}
+
+    def score(self, generated: torch.Tensor) -> dict:
+        """Score `generated` (N, C, S, S) in [-1, 1] against the training images, with floor and ceiling.
+        N should equal the held-out size so that the floor and the score carry the same small-sample bias."""
+        return {**self.quick(generated), **self.reference(), "class_entropy_max": math.log(10)}
 
 
 def score(generated: torch.Tensor, train_set, test_set, dataset: str, image_size: int) -> dict:
-    """Score `generated` (N, C, S, S) in [-1, 1] against the training images, with floor and ceiling.
-    N should equal the held-out size so that the floor and the score carry the same small-sample bias."""
-    classifier = train_classifier(train_set, dataset, image_size)
-    train, held_out = _stack(train_set), _stack(test_set)
-    noise = torch.rand(held_out.shape, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    return {"fid_classifier": frechet_distance(classifier, train, generated),
-            "fid_real_floor": frechet_distance(classifier, train, held_out),
-            "fid_noise": frechet_distance(classifier, train, noise),
-            "class_entropy": class_entropy(classifier, generated),
-            "class_entropy_max": math.log(10)}
+    """Scorer(...).score(generated): one score, its fixed parts computed for it alone."""
+    return Scorer(train_set, test_set, dataset, image_size).score(generated)

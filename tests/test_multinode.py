@@ -107,3 +107,50 @@ def test_the_readmes_sbatch_script_runs_under_the_environment_srun_gives(tmp_pat
     requeued = start_all([[*args[:args.index("--max-steps") + 1], "6", *args[args.index("--max-steps") + 2:]]] * nodes,
                          tasks, cwd=tmp_path)  # the job again, as --requeue starts it, with more steps
     assert "Resumed from" in requeued[0] and json.loads((out / "summary.json").read_text())["steps"] == 6
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_run_directory_that_another_node_does_not_see_stops_the_run_at_start(tmp_path):
+    """Node-local disks, simulated: each "node" runs in its own folder with the same relative --out, so rank 1's
+    runs/job is another directory than rank 0's. fsdp would write a checkpoint lacking rank 1's shard; the run
+    stops before its first step instead, with one line on the rank that does not see rank 0's directory."""
+    port = free_port()
+    processes = []
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+        processes.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+             str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "gan.train",
+             *SMALL["gan"], "--accelerator", "cpu", "--strategy", "fsdp", "--devices", "1", "--num-nodes", "2",
+             "--max-steps", "20", "--checkpoint-every", "5", "--out", "runs/job"],
+            cwd=tmp_path / f"node{rank}", env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [process.communicate(timeout=300)[0] for process in processes]
+    assert all(process.returncode != 0 for process in processes)
+    errors = [line for line in outputs[1].splitlines() if line.startswith("python -m gan.train: error:")]
+    assert len(errors) == 1 and "does not see the run directory" in errors[0] and "every node sees" in errors[0]
+    assert not list(tmp_path.rglob("*.distcp")) and not list(tmp_path.rglob("last.ckpt"))
+
+
+def test_a_sharded_save_that_a_rank_cannot_see_stops_before_writing(tmp_path):
+    """Core's own guard for Fabric users: a rank that does not see the folder rank 0 made for a sharded
+    checkpoint raises before any shard is written (rank 0's folder is elsewhere: another node's disk)."""
+    from core.checkpoint import files
+
+    files.clear_directory(tmp_path / "node0" / ".last.ckpt.tmp", 0, barrier=lambda: None)
+    with pytest.raises(files.CheckpointError, match="rank 1 does not see the folder .* every node sees"):
+        files.clear_directory(tmp_path / "node1" / ".last.ckpt.tmp", 1, barrier=lambda: None)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_waits_past_the_collective_timeout_stops_with_one_line(tmp_path):
+    """Rank 0's first evaluation trains the score's classifier (an empty cache) while rank 1 waits for the
+    score; with --collective-timeout 2 rank 1 stops, naming the flag, and the run ends."""
+    result = run(["-m", "gan.train", *SMALL["gan"], *WRAPPED, "--devices", "2", "--max-steps", "4", "--eval-every",
+                  "2", "--collective-timeout", "2", "--out", str(tmp_path / "run")], check=False, timeout=300,
+                 env={"SUITE_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 1, result.stderr[-3000:]
+    stopped = re.findall(r"python -m gan.train: stopped: [^\r\n]*", result.stderr)  # (after a progress bar's \r)
+    assert len(stopped) == 1 and "rank 1 waited more than 2 s" in stopped[0] and "--collective-timeout" in stopped[0]
+    assert "Traceback" not in result.stderr

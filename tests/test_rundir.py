@@ -119,12 +119,25 @@ def test_flags_that_change_no_computation_may_change_on_resume(tmp_path):
 
 def test_a_process_that_sees_another_checkpoint_than_rank_0_stops(tmp_path):
     """Each process resolves --resume auto itself; one on a node that does not see rank 0's checkpoint (a
-    node-local --out) must not start afresh beside ranks that resume."""
-    rank_0 = iter([str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints" / "last.ckpt")])
+    node-local --out) must not start afresh beside ranks that resume. (Broadcasts: the path, rank 0's marker
+    and a meeting, then the checkpoint to resume.)"""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".rank-0-host-1-2").touch()
+    rank_0 = iter([str(tmp_path / "run"), "host-1-2", None, str(tmp_path / "run" / "checkpoints" / "last.ckpt")])
     with pytest.raises(ValueError, match="the run directory must be on a filesystem every node sees"):
         RunDir(str(tmp_path / "run"), "gan", write=False, broadcast=lambda value: next(rank_0), resume="")
-    agreed = iter([str(tmp_path / "run"), ""])
+    agreed = iter([str(tmp_path / "run"), "host-1-2", None, ""])
     RunDir(str(tmp_path / "run"), "gan", write=False, broadcast=lambda value: next(agreed), resume="")
+
+
+def test_a_process_that_does_not_see_rank_0s_run_directory_stops(tmp_path):
+    """Rank 0's marker is on another node's disk: this rank stops at once, naming the requirement; rank 0 itself
+    leaves no marker behind, and no --out it created for the check."""
+    rank_0 = iter([str(tmp_path / "run"), "node0-1-2", None])
+    with pytest.raises(ValueError, match=r"does not see the run directory .*\(on host node0\).* every node sees"):
+        RunDir(str(tmp_path / "run"), "gan", write=False, broadcast=lambda value: next(rank_0))
+    RunDir(str(tmp_path / "out"), "gan", write=True, broadcast=lambda value: value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_default_run_directories_never_collide(tmp_path, monkeypatch):
@@ -286,6 +299,20 @@ def test_a_default_flags_run_killed_late_resumes_from_the_cadences_checkpoint(tm
     assert steps_json == steps_csv == [50 * i for i in range(1, 13)]
 
 
+def start_and_kill_a_worker(job: list[str], checkpoint: Path, env: dict, module: str) -> subprocess.Popen:
+    """Start a torchrun job; once `checkpoint` exists, SIGKILL its second worker (the agent's child)."""
+    first = subprocess.Popen(job, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not checkpoint.exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.05)
+    agent_children = subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True, text=True).stdout.split()
+    workers = [int(pid) for pid in agent_children if module in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    return first
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_requeued_torchrun_job_with_resume_auto_continues_bitwise(tmp_path):
@@ -294,20 +321,31 @@ def test_a_requeued_torchrun_job_with_resume_auto_continues_bitwise(tmp_path):
             "10"]
     job = [sys.executable, *TORCHRUN, *args, "--out", str(tmp_path / "job"), "--resume", "auto"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen(job, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    checkpoint, deadline = tmp_path / "job" / "checkpoints" / "last.ckpt", time.monotonic() + 240
-    while not checkpoint.exists():
-        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
-        time.sleep(0.05)
-    agent_children = subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True, text=True).stdout.split()
-    workers = [int(pid) for pid in agent_children if "gan.train_torch" in Path(f"/proc/{pid}/cmdline").read_text()]
-    assert len(workers) == 2
-    os.kill(workers[1], signal.SIGKILL)
+    first = start_and_kill_a_worker(job, tmp_path / "job" / "checkpoints" / "last.ckpt", env, "gan.train_torch")
     first.communicate(timeout=120)
     assert first.returncode != 0 and not (tmp_path / "job" / "summary.json").exists()
     requeued = subprocess.run(job, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert requeued.returncode == 0, requeued.stderr[-3000:]
     assert "Resumed from" in requeued.stdout
+    run([*TORCHRUN, *args, "--out", str(tmp_path / "reference")], timeout=300)
+    a, b = final_tensors(tmp_path / "reference"), final_tensors(tmp_path / "job")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_torchrun_max_restarts_continues_a_job_whose_worker_was_killed_bitwise(tmp_path):
+    """torchrun's own restart: one worker SIGKILLed after a checkpoint; torchrun starts both again with the same
+    argv, `--resume auto` continues from the checkpoint, and the weights end as an uninterrupted run's."""
+    args = ["-m", "gan.train", "--strategy", "ddp", "--devices", "2", *GAN_SMALL, "--max-steps", "120",
+            "--checkpoint-every", "40", "--log-every", "10"]
+    restarting = [*TORCHRUN[:2], "--max-restarts", "1", *TORCHRUN[2:]]
+    job = [sys.executable, *restarting, *args, "--out", str(tmp_path / "job"), "--resume", "auto"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    first = start_and_kill_a_worker(job, tmp_path / "job" / "checkpoints" / "last.ckpt", env, "gan.train")
+    stdout, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr[-3000:]
+    assert "Resumed from" in stdout and (tmp_path / "job" / "summary.json").exists()
     run([*TORCHRUN, *args, "--out", str(tmp_path / "reference")], timeout=300)
     a, b = final_tensors(tmp_path / "reference"), final_tensors(tmp_path / "job")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -52,10 +52,21 @@ def save_checkpoint(state: dict, path) -> None:
 
 
 def clear_directory(tmp: Path, rank: int, barrier) -> None:
-    """Remove what a killed save left at `tmp` (rank 0), before every rank writes into it."""
-    if rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)
+    """Make `tmp` empty (rank 0: removing what a killed save left there) before every rank writes its shard into
+    it, and make sure every rank sees it: on disks local to each node, a checkpoint would lack the other nodes'
+    shards, so a rank that does not see rank 0's folder stops before anything is written."""
+    marker = tmp / ".created-by-rank-0"
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        marker.touch()
     barrier()
+    if not marker.exists():
+        raise CheckpointError(f"rank {rank} does not see the folder {tmp} that rank 0 created for this checkpoint: "
+                              f"every rank writes its shard into it, so it must be on a filesystem every node sees "
+                              f"(a shared run directory, --out); on disks local to each node the checkpoint would "
+                              f"lack the other nodes' shards.")
 
 
 def replace_directory(tmp: Path, path: Path, rank: int, barrier) -> None:
@@ -63,6 +74,7 @@ def replace_directory(tmp: Path, path: Path, rank: int, barrier) -> None:
     `.NAME.old`, which `--resume` finds if the process dies between the two renames."""
     barrier()
     if rank == 0:
+        (tmp / ".created-by-rank-0").unlink(missing_ok=True)  # clear_directory's
         old = path.with_name(f".{path.name}.old")
         if path.exists():
             os.replace(path, old)
