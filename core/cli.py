@@ -8,12 +8,13 @@ import torch
 
 from core import launcher
 from core.precision import PRECISIONS
-from core.strategies import STRATEGIES, SingleDevice
+from core.strategies import LIGHTNING_NAMES, STRATEGIES, SingleDevice
 from core.validation import ACCELERATORS, check_installed, device_kind, resolve_arguments
 
 # ddp_spawn runs a function in new processes (fabric.launch(fn)); the scripts run top to bottom after a
-# plain fabric.launch(), which re-runs the command for the other ranks, so the flag does not offer it.
-SCRIPT_STRATEGIES = ("auto", *(name for name in STRATEGIES if name != "ddp_spawn"))
+# plain fabric.launch(), which re-runs the command for the other ranks, so the flag does not offer it, nor
+# Lightning's other names (kept for ported scripts).
+SCRIPT_STRATEGIES = ("auto", *(name for name in STRATEGIES if name != "ddp_spawn" and name not in LIGHTNING_NAMES))
 
 
 @dataclass

@@ -32,9 +32,11 @@ import torch
 from core import checkpoint
 from core.checkpoint import deepspeed as deepspeed_checkpoint
 from core.strategies import DDP
+from core.validation import check_installed
 
 class DeepSpeed(DDP):
     joint_setup = True
+    changes_module = True
     backward_needs_module = True
     guard_submodules = False  # ZeRO's hooks sit on parameters and modules, not on a wrapper's forward
     moves_module = False  # the engine places the module
@@ -58,7 +60,7 @@ class DeepSpeed(DDP):
             raise TypeError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}.")
         self.user_config = config
         self._names = {}  # id(optimizer) -> the names of its parameters per group, for checkpoints
-        os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+        check_installed(self.name, device.type)  # imports DeepSpeed on this device's accelerator
         self.config()  # refuse a config that contradicts the strategy's name now, not at setup
 
     def choose_precision(self, precision):
@@ -134,7 +136,7 @@ class DeepSpeed(DDP):
     def no_backward_sync(self, module):
         return nullcontext()  # the engine accumulates every backward locally and reduces in its step
 
-    def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0):
+    def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         # ZeRO moves gradients into its partitions during backward and clips them inside engine.step
         raise RuntimeError(f"DeepSpeed clips gradients inside its engine's step, so fabric.clip_gradients cannot "
                            f"run between backward and step. Ask the engine instead: Fabric(strategy={self.name!r}, "

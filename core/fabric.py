@@ -123,8 +123,8 @@ class Fabric:
         for wrap_modules, reshard_after_forward, cpu_offload. Options for another strategy than the one
         running are not used, so one script can carry the options of each."""
         self._check_launched()
-        validation.check_module(module, self._set_up_modules)
-        validation.check_optimizers(optimizers, self._set_up_optimizers)
+        validation.check_module(module, self._set_up_modules, self._strategy)
+        validation.check_optimizers(optimizers, self._set_up_optimizers, self._strategy)
         if scheduler is not None and not optimizers:
             raise ValueError("A scheduler was passed to setup without any optimizer; pass the optimizer it "
                              "schedules too: setup(model, optimizer, scheduler=scheduler).")
@@ -135,6 +135,7 @@ class Fabric:
             module, list(optimizers), **self._module_options(module_options))
         wrapped = self._register_module(forward_module, module, compiled)
         wrapped_optimizers = [self._register_optimizer(opt, wrapped) for opt in optimizers]
+        self._after_setup(module, wrapped, wrapped_optimizers)
         outputs = [wrapped, *wrapped_optimizers] + ([scheduler] if scheduler is not None else [])
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
@@ -142,11 +143,26 @@ class Fabric:
         """Set up a module alone; create its optimizer from the returned module's parameters afterwards."""
         self._check_launched()
         self._check_split_setup()
-        validation.check_module(module, self._set_up_modules)
+        validation.check_module(module, self._set_up_modules, self._strategy)
         module, compiled = unwrap_compiled(module)
         module = self._prepare(module, move_to_device)
-        return self._register_module(self._strategy.setup_module(module, **self._module_options(module_options)),
-                                     module, compiled)
+        wrapped = self._register_module(self._strategy.setup_module(module, **self._module_options(module_options)),
+                                        module, compiled)
+        self._after_setup(module, wrapped, None)
+        return wrapped
+
+    def _after_setup(self, module: nn.Module, wrapped: FabricModule, optimizers: list | None) -> None:
+        """As Lightning: a LightningModule learns its Fabric (its `self.fabric`, `self.log`, `self.logger` work)
+        and becomes a callback; after `setup` (not setup_module), every callback's `on_after_setup(fabric=,
+        module=)`."""
+        if hasattr(module, "_fabric"):
+            module._fabric = self
+            if optimizers is not None:
+                module._fabric_optimizers = optimizers
+            if module not in self._callbacks:
+                self._callbacks.append(module)
+        if optimizers is not None:
+            self.call("on_after_setup", fabric=self, module=wrapped)
 
     def _check_split_setup(self) -> None:
         if self._strategy.joint_setup:
@@ -166,7 +182,7 @@ class Fabric:
         self._check_split_setup()
         if not optimizers:
             raise ValueError("`setup_optimizers` requires at least one optimizer.")
-        validation.check_optimizers(optimizers, self._set_up_optimizers)
+        validation.check_optimizers(optimizers, self._set_up_optimizers, self._strategy)
         wrapped = []
         for opt in optimizers:
             owner = self._owner_module(opt)
@@ -202,7 +218,8 @@ class Fabric:
                 return wrapped
         raise ValueError(
             f"{type(optimizer).__name__} updates no parameter of any module returned by setup_module (under fsdp, "
-            f"an optimizer built before setup_module holds the unsharded parameters). Create the optimizer after "
+            f"an optimizer built before setup_module holds the unsharded parameters), and core needs that module: "
+            f"checkpoints name the optimizer's state by its parameter names. Create the optimizer after "
             f"setup_module, from the returned module's parameters: `model = fabric.setup_module(model); optimizer "
             f"= Adam(model.parameters())`, or set both up together: `fabric.setup(model, optimizer)`.")
 
@@ -236,11 +253,17 @@ class Fabric:
         strategy, precision = self._strategy, self._precision
         self._plain_backward = self._plain_backward and not precision.scalers
         self._backward.required = not self._plain_backward
-        if type(strategy).optimizer_step is SingleDevice.optimizer_step and id(optimizer) not in precision.scalers:
+        hooks = [callback.on_after_optimizer_step for callback in self._callbacks
+                 if callable(getattr(callback, "on_after_optimizer_step", None))]
+        if type(strategy).optimizer_step is SingleDevice.optimizer_step and id(optimizer) not in precision.scalers \
+                and not hooks:
             step = optimizer.step  # nothing to add on the way
         else:
             def step(closure=None):
-                return strategy.optimizer_step(optimizer, module, **({"closure": closure} if closure else {}))
+                output = strategy.optimizer_step(optimizer, module, **({"closure": closure} if closure else {}))
+                for hook in hooks:  # Lightning's callback hook, with its arguments
+                    hook(strategy=strategy, optimizer=optimizer)
+                return output
         wrapped = wrap_optimizer(optimizer, step)
         self._module_of[id(wrapped)] = module
         self._optimizers_of[id(module)].append(wrapped)
@@ -275,12 +298,14 @@ class Fabric:
         return self._strategy.backward(tensor, module, *args, **kwargs)
 
     def clip_gradients(self, module: FabricModule, optimizer: FabricOptimizer, clip_val=None, max_norm=None,
-                       norm_type: float = 2.0):
-        """Clip by value or by total norm (returns the norm before clipping)."""
+                       norm_type: float = 2.0, error_if_nonfinite: bool = True):
+        """Clip by value or by total norm (returns the norm before clipping). By norm, a NaN or infinite norm
+        raises a RuntimeError unless `error_if_nonfinite=False` (Lightning's default, and torch's option)."""
         if (clip_val is None) == (max_norm is None):
             raise ValueError("clip_gradients takes exactly one of clip_val or max_norm.")
         if max_norm is not None:
-            return self._strategy.clip_gradients(module, optimizer.optimizer, max_norm, norm_type)
+            return self._strategy.clip_gradients(module, optimizer.optimizer, max_norm, norm_type,
+                                                 error_if_nonfinite=error_if_nonfinite)
         self._strategy.clip_gradients_by_value(module, optimizer.optimizer, clip_val)
         return None
 
@@ -325,7 +350,8 @@ class Fabric:
         if self.is_global_zero:
             print(*args, **kwargs)
 
-    def barrier(self) -> None:
+    def barrier(self, name: str | None = None) -> None:
+        """All processes meet here. `name` (Lightning's argument) is only a label."""
         self._strategy.barrier()
 
     def broadcast(self, obj, src: int = 0):
@@ -417,32 +443,57 @@ class Fabric:
     def strategy(self):
         return self._strategy
 
-    seed_everything = staticmethod(seed_everything)
+    @property
+    def accelerator(self) -> "Accelerator":
+        return Accelerator(self.device.type)
+
+    @staticmethod
+    def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = False) -> int:
+        """core.seed_everything, with each data-loader worker seeded too unless `workers=False` (Fabric's
+        default, where the module-level function's is False)."""
+        return seed_everything(seed, workers=True if workers is None else workers, verbose=verbose)
 
     # --- checkpoints -------------------------------------------------------------------------------
-    def save(self, path, state: dict) -> None:
+    def save(self, path, state: dict, filter: dict | None = None) -> None:
         """Save set-up modules, optimizers and plain values (numbers, strings, tensors, containers) in
-        one checkpoint, atomically. Every process must call it."""
-        self._strategy.save_checkpoint(path, checkpoint.collect(state, self._strategy, self._precision,
-                                                                self._module_of))
+        one checkpoint, atomically. Every process must call it. `filter` ({key: fn(name, value) -> bool}) keeps
+        only the entries of that key's state dict for which fn is True (Lightning's argument)."""
+        collected = checkpoint.collect(state, self._strategy, self._precision, self._module_of)
+        if filter is not None:
+            if self._strategy.backward_needs_module:  # DeepSpeed: its engines write their own state
+                raise TypeError(f"strategy={self._strategy_name!r} saves through DeepSpeed's engines, which take no "
+                                f"filter; save without it.")
+            collected = checkpoint.apply_filter(collected, filter)
+        self._strategy.save_checkpoint(path, collected)
 
-    def load(self, path, state: dict | None = None, strict: bool = True) -> dict:
+    def load(self, path, state: dict | None = None, strict: bool = True, weights_only: bool | None = None) -> dict:
         """Restore `state`'s modules and optimizers in place, and its plain values; return what the
         checkpoint holds beyond `state` (everything, when `state` is None). Reads what Fabric.save wrote
-        (core's or Lightning's) and any dict of state dicts saved with torch.save."""
+        (core's or Lightning's) and any dict of state dicts saved with torch.save. Files are read with
+        weights_only=True unless `weights_only=False` says the file is trusted (it may hold other pickled
+        objects, an argparse.Namespace say, whose loading runs code from the file)."""
         held = None if state is None else \
             (lambda: checkpoint.collect(state, self._strategy, self._precision, self._module_of))
-        saved = self._strategy.load_checkpoint(path, held)
+        with checkpoint.trusted(weights_only is False):
+            saved = self._strategy.load_checkpoint(path, held)
         if state is None:
             return saved
         return checkpoint.restore(saved, state, self._strategy, self._precision, self._module_of, path, strict)
 
-    def load_raw(self, path, obj, strict: bool = True) -> None:
+    def load_raw(self, path, obj, strict: bool = True, weights_only: bool | None = None) -> None:
         """Load a bare state dict saved with `torch.save(module.state_dict())` (or an optimizer's) into a
-        module or optimizer, set up or not."""
-        raw = checkpoint.load_checkpoint(path, raw=True)
+        module or optimizer, set up or not. `weights_only`: as for load."""
+        with checkpoint.trusted(weights_only is False):
+            raw = checkpoint.load_checkpoint(path, raw=True)
         checkpoint.restore({"obj": raw}, {"obj": obj}, self._strategy, self._precision, self._module_of, path, strict,
                            raw=True)
+
+    @contextmanager
+    def init_tensor(self):
+        """Tensors created inside are created on this process's device and, under a true precision, in its
+        dtype."""
+        with self.device, self._precision.init_context():
+            yield
 
     # --- building models --------------------------------------------------------------------------------
     @contextmanager
@@ -459,6 +510,23 @@ class Fabric:
             if empty_init and device.type != "meta":
                 stack.enter_context(SkipInit())
             yield
+
+
+class Accelerator:
+    """`fabric.accelerator`: the kind of device a run uses ("cpu" or "cuda"), and how many of it this
+    machine has; what Lightning's Accelerator objects are mostly asked."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def auto_device_count(self) -> int:
+        return torch.cuda.device_count() if self.name == "cuda" else 1
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available() if self.name == "cuda" else True
+
+    def __repr__(self) -> str:
+        return f"Accelerator({self.name!r})"
 
 
 def _as_list(items) -> list:

@@ -21,6 +21,7 @@ from core.strategies import DDP
 class FSDP(DDP):
     guard_submodules = False  # FSDP2 hooks live on the module itself, so there is no wrapper to skip
     options_key = "fsdp"
+    changes_module = True
 
     def __init__(self, device, precision, wrap_modules=(), reshard_after_forward: bool | None = None,
                  cpu_offload: bool = False, timeout=None):
@@ -122,10 +123,16 @@ class FSDP(DDP):
     def no_backward_sync(self, module):
         return self._gradient_sync(module, False)
 
-    def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0):
+    def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type)  # over the shards: a DTensor to be reduced
+        norm = total.full_tensor() if hasattr(total, "full_tensor") else total  # the same on every rank
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"The total norm of order {norm_type} of the gradients is {norm.item()}, so they "
+                               f"cannot be clipped. Pass error_if_nonfinite=False to clip_gradients to go on anyway.")
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return norm
 
     # checkpoints: sharded (core/checkpoint/sharded.py); a one-file or DeepSpeed checkpoint loads whole and is
     # sharded here

@@ -372,11 +372,12 @@ def spawn(fn, num_processes: int, fabric, args, kwargs):
     import torch.multiprocessing as mp
 
     global _store
+    method = getattr(fabric.strategy, "start_method", "spawn")
     port = host_store(num_processes)  # held by this process, which is no rank: every rank is a client of it
-    queue = mp.get_context("spawn").SimpleQueue()
+    queue = mp.get_context(method).SimpleQueue()
     threads = threads_per_process(num_processes)
     context = mp.start_processes(_spawned, args=(fn, num_processes, port, threads, fabric, args, kwargs, queue),
-                                 nprocs=num_processes, join=False, start_method="spawn")
+                                 nprocs=num_processes, join=False, start_method=method)
     try:
         while not context.join():
             pass
@@ -394,6 +395,8 @@ def spawn(fn, num_processes: int, fabric, args, kwargs):
 def _spawned(rank, fn, num_processes, port, threads, fabric, args, kwargs, queue):
     # The process ends with os._exit once its work is done: gloo's threads can abort the interpreter's
     # normal shutdown ("terminate called without an active exception"), which would fail a good run.
+    global _store
+    _store = None  # a forked rank's copy of the parent's server: this rank is a client (own_store)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(num_processes),
                       LOCAL_WORLD_SIZE=str(num_processes), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
                       CORE_STORE_CLIENT="1")

@@ -154,7 +154,10 @@ class Float16Mixed(BFloat16Mixed):
 
 
 class TruePrecision(Precision):
-    """The module converted to `dtype`, and float inputs cast to it: no float32 copy of anything."""
+    """The module converted to `dtype`, float inputs cast to it, and `dtype` the default dtype inside its
+    forward (a tensor the forward creates, `torch.ones(3)`, is in it too) and in `init_module()`. The outputs
+    are handed back in the default dtype outside (float32), as Lightning's true precisions do, so a loss is
+    computed the same way whatever the mode."""
 
     passthrough = False
 
@@ -164,14 +167,20 @@ class TruePrecision(Precision):
     def convert_input(self, data):
         return cast_floats(data, self.dtype)
 
+    def convert_output(self, data):
+        return cast_floats(data, torch.get_default_dtype())
+
     @contextmanager
-    def init_context(self):
+    def forward_context(self):
         default = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             yield
         finally:
             torch.set_default_dtype(default)
+
+    def init_context(self):
+        return self.forward_context()
 
 
 class BFloat16True(TruePrecision):
@@ -218,6 +227,9 @@ class EnginePrecision(Precision):
 
     def convert_input(self, data):
         return data if self.passthrough else cast_floats(data, self.dtype)
+
+    def forward_context(self):  # a true mode's default dtype; the engine itself runs a mixed mode's module
+        return self.mode.forward_context() if isinstance(self.mode, TruePrecision) else nullcontext()
 
     def convert_output(self, data):
         return self.mode.convert_output(data)

@@ -27,6 +27,7 @@ class SingleDevice:
     joint_setup = False  # DeepSpeed needs model and optimizers together
     guard_submodules = False  # a wrapper that syncs gradients, which a child called directly would skip
     moves_module = True  # False where the engine places the module itself
+    changes_module = False  # True where setup changes the module in place (sharding, an engine): set up once only
     backward_needs_module = False  # True where backward goes through the module's engine
     options_key = None  # the name of this strategy's per-module options in setup(..., ddp={...})
 
@@ -77,10 +78,11 @@ class SingleDevice:
     def no_backward_sync(self, module) -> "contextmanager":
         return nullcontext()
 
-    def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0) -> torch.Tensor:
+    def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
+                                              error_if_nonfinite=error_if_nonfinite)
 
     def clip_gradients_by_value(self, module, optimizer, clip_val) -> None:
         self.precision.unscale_gradients(optimizer)
@@ -108,7 +110,7 @@ class SingleDevice:
     # checkpoints: the logical checkpoint (full state dicts keyed by name) in one file, written by rank 0
     def save_checkpoint(self, path, state: dict) -> None:
         if self.global_rank == 0:
-            checkpoint.save_checkpoint(state, path)
+            checkpoint.save_file(state, path)
         self.barrier()
 
     def load_checkpoint(self, path, held=None) -> dict:
@@ -293,9 +295,26 @@ class _GatherWithGradients(torch.autograd.Function):
 
 
 class DDPSpawn(DDP):
-    """DDP in processes started by `fabric.launch(fn)` through torch.multiprocessing."""
+    """DDP in processes started by `fabric.launch(fn)` through torch.multiprocessing (`start_method` "fork" for
+    ddp_fork and ddp_notebook, as Lightning names them: fork works from a notebook, where spawn cannot import
+    the function)."""
 
     spawn = True
+
+    def __init__(self, device, precision, start_method: str = "spawn", **options):
+        super().__init__(device, precision, **options)
+        self.start_method = start_method
+
+
+class DataParallel(SingleDevice):
+    """Lightning's `dp`: one process running the module on every visible GPU through torch.nn.DataParallel
+    (on the CPU, DataParallel passes the call through). torch recommends ddp over it."""
+
+    guard_submodules = True
+
+    def setup_module(self, module: nn.Module, **kwargs) -> nn.Module:
+        super().setup_module(module, **kwargs)
+        return nn.DataParallel(module) if self.device.type == "cuda" else module
 
 
 # name -> (class or "module:Class", options it is made with); the module is imported when the name is chosen
@@ -303,6 +322,10 @@ STRATEGIES = {
     "single": (SingleDevice, {}),
     "ddp": (DDP, {}),
     "ddp_spawn": (DDPSpawn, {}),
+    "ddp_fork": (DDPSpawn, {"start_method": "fork"}),
+    "ddp_notebook": (DDPSpawn, {"start_method": "fork"}),
+    "ddp_find_unused_parameters_true": (DDP, {"find_unused_parameters": True}),
+    "dp": (DataParallel, {}),
     "fsdp": ("core.fsdp:FSDP", {}),
     "deepspeed": ("core.deepspeed:DeepSpeed", {"stage": None}),  # the stage from the config, else 2
     "deepspeed_stage_1": ("core.deepspeed:DeepSpeed", {"stage": 1}),
@@ -311,6 +334,10 @@ STRATEGIES = {
     "deepspeed_stage_2_offload": ("core.deepspeed:DeepSpeed", {"stage": 2, "offload": True}),
     "deepspeed_stage_3_offload": ("core.deepspeed:DeepSpeed", {"stage": 3, "offload": True}),
 }
+
+
+# Lightning's other names, for ported scripts (the training scripts' --strategy does not offer them)
+LIGHTNING_NAMES = ("ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true", "dp")
 
 
 def register_strategy(name: str, strategy, **options) -> None:

@@ -23,7 +23,9 @@ def check_installed(strategy: str, device_type: str) -> None:
     When it is there, quiet what it brings that no user can act on."""
     if not strategy.startswith("deepspeed"):
         return
-    # DeepSpeed picks its accelerator on import, and warns when it falls back to the CPU by itself
+    # DeepSpeed picks its accelerator on import (once per process), and warns when it falls back to the CPU by
+    # itself: DS_ACCELERATOR names it for the import only, so that it does not reach the user's subprocesses
+    added = "DS_ACCELERATOR" not in os.environ
     os.environ.setdefault("DS_ACCELERATOR", device_type)
     # DeepSpeed imports torch.utils.cpp_extension, which on a machine without CUDA logs "No CUDA runtime is
     # found" once per process: nothing to act on when running on CPU.
@@ -40,6 +42,8 @@ def check_installed(strategy: str, device_type: str) -> None:
                                   name="deepspeed") from None
     finally:
         build_log.setLevel(level)
+        if added:
+            del os.environ["DS_ACCELERATOR"]
     # ZeRO calls torch collectives that torch 2.14 deprecates, and the warning comes back on every call
     # (242 lines in 30 GAN steps at stage 3): DeepSpeed's to change, not the user's.
     deprecated = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
@@ -63,22 +67,28 @@ def check_devices(devices, kind: str, env: dict | None) -> int:
     return devices
 
 
-def check_module(module, set_up) -> None:
+def check_module(module, set_up, strategy) -> None:
+    """A set-up module is refused; the same raw module again only where the strategy changes it in place."""
     if isinstance(module, FabricModule):
         raise ValueError("A model should be passed only once to the `setup` method: this one is already "
                          "set up. Pass the original module, or keep using the set-up one.")
     if not isinstance(module, nn.Module):
         raise TypeError(f"setup takes an nn.Module first, got {type(module).__name__}.")
-    if module in set_up:
-        raise ValueError(f"A model should be passed only once to the `setup` method: this "
-                         f"{type(module).__name__} was set up already; use the module setup returned.")
+    if module in set_up and strategy.changes_module:
+        raise ValueError(f"This {type(module).__name__} was set up already, and strategy={strategy.name!r} changed "
+                         f"it in place (its parameters are now sharded or held by an engine), so it cannot be set "
+                         f"up again; use the module setup returned.")
 
-def check_optimizers(optimizers, set_up) -> None:
+
+def check_optimizers(optimizers, set_up, strategy) -> None:
     for opt in optimizers:
-        if isinstance(opt, FabricOptimizer) or opt in set_up:
+        if isinstance(opt, FabricOptimizer):
             raise ValueError("An optimizer should be passed only once to the `setup` method.")
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"Expected torch.optim.Optimizer objects, got {type(opt).__name__}.")
+        if opt in set_up and strategy.changes_module:
+            raise ValueError(f"This {type(opt).__name__} was set up already, and strategy={strategy.name!r} changed "
+                             f"it in place; use the optimizer setup returned.")
 
 def check_ownership(module: nn.Module, optimizers) -> None:
     own = {id(p) for p in module.parameters()}
@@ -129,7 +139,10 @@ def reduce_op(op):
 def accepted_kwargs(method, kwargs: dict) -> dict:
     """The part of `kwargs` that `method` takes (all of it when it takes **kwargs)."""
     import inspect
-    parameters = inspect.signature(method).parameters.values()
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (ValueError, TypeError):  # a builtin or C method: its signature cannot be read, so it gets all of them
+        return kwargs
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
         return kwargs
     names = {p.name for p in parameters}

@@ -3,6 +3,7 @@
 Each is thin on purpose: in 32-true on one device, calling the module is nn.Module's call (its hooks)
 of the original module, and stepping the optimizer is stepping the original optimizer.
 """
+import inspect
 import weakref
 
 import torch
@@ -289,7 +290,40 @@ def rebuild_loader(loader: DataLoader, **changes) -> DataLoader:
     if loader.batch_size is None:  # a batch_sampler carries the batching and the order
         options.update(batch_sampler=loader.batch_sampler, batch_size=1, sampler=None, drop_last=False)
     options.update(changes)
-    return DataLoader(loader.dataset, **options)
+    if type(loader) is DataLoader:
+        return DataLoader(loader.dataset, **options)
+    return _rebuild_subclass(loader, {"dataset": loader.dataset, **options}, changes)
+
+
+def _rebuild_subclass(loader: DataLoader, options: dict, changes: dict) -> DataLoader:
+    """A DataLoader subclass made again as Lightning makes it: its own constructor called with each of its
+    arguments read back from the loader's attribute of the same name (or DataLoader's own argument), and the
+    changed ones; an argument it cannot read back, or a change it cannot take, is an error that says so."""
+    cls = type(loader)
+    parameters = inspect.signature(cls.__init__).parameters
+    named = {name: p for name, p in parameters.items()
+             if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    kwargs, missing = {}, []
+    for name, parameter in named.items():
+        if name in options:
+            kwargs[name] = options[name]
+        elif hasattr(loader, name):
+            kwargs[name] = getattr(loader, name)
+        elif parameter.default is parameter.empty:
+            missing.append(name)
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        kwargs.update({key: value for key, value in options.items() if key not in named})
+    if "sampler" in changes and "shuffle" in named:
+        kwargs["shuffle"] = False  # the new sampler decides the order
+    refused = [key for key in changes if key not in kwargs]
+    if missing or refused:
+        problem = (f"its __init__ takes {', '.join(missing)}, which it does not keep as attributes of the same names"
+                   if missing else f"its __init__ does not take {', '.join(refused)}")
+        raise ValueError(f"setup_dataloaders must make {cls.__name__} again with {', '.join(changes)} changed, but "
+                         f"{problem}. Keep each __init__ argument as an attribute (self.NAME = NAME) and pass "
+                         f"**kwargs on to DataLoader, or pass use_distributed_sampler=False and give it a "
+                         f"DistributedSampler yourself.")
+    return cls(**kwargs)
 
 
 class _Positions:

@@ -5,20 +5,28 @@ parameter name too (`named_optimizer_state`), plus the plain values. The formats
 
 | format | written by | module |
 | --- | --- | --- |
-| one file: {"format": FORMAT, "version": VERSION, "state": {...}} | single, ddp (rank 0) | `files.py` |
+| one file: the state's own keys, optimizers as `optimizer.state_dict()`, + MARKER | single, ddp (rank 0) | `files.py` |
 | a directory of DCP shards + `state.pt` | fsdp (every rank its shards) | `sharded.py` |
 | a directory of DeepSpeed partitions + `state.pt` | deepspeed* (every rank) | `deepspeed.py` |
 
 `read` turns any of them into the logical checkpoint; `collect` and `restore` go between it and a run's
 objects. Every format writes and reads through `files.py` (atomic writes, `weights_only` reads).
+
+The one file is what a Fabric user expects of `torch.load(path)`: their own keys at the top, each module a
+state dict and each optimizer a state dict that `optimizer.load_state_dict` takes as it is (Lightning's
+`Fabric.load` reads it too); under MARKER sit the format's version and, per optimizer, the names of its
+parameters (so that it loads under any strategy) and its loss scale. Files of version 2 (everything under
+"state") are still read.
 """
 from pathlib import Path
 
 import torch
 
-from core.checkpoint.files import (FORMAT, STATE, VERSION, CheckpointError, atomic_save, clear_directory,  # noqa: F401
-                                   load_checkpoint, replace_directory, save_checkpoint)
+from core.checkpoint.files import (FORMAT, MARKER, STATE, VERSION, CheckpointError, atomic_save,  # noqa: F401
+                                   clear_directory, indexed_optimizer_state, is_optimizer_entry, load_checkpoint,
+                                   named_optimizer_state, replace_directory, save_checkpoint, save_file, trusted)
 from core.wrappers import FabricModule, FabricOptimizer
+
 
 
 def check_state_dict(module: torch.nn.Module, state: dict, name: str, strict: bool = True) -> None:
@@ -35,43 +43,6 @@ def check_state_dict(module: torch.nn.Module, state: dict, name: str, strict: bo
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise CheckpointError(f"The checkpoint's {name!r} does not match the model: {shown}. Was it saved "
                               f"from a model of another shape or configuration?")
-
-
-def named_optimizer_state(state: dict, groups: list[list[str]]) -> dict:
-    """`optimizer.state_dict()` keyed by parameter name instead of position (the layout of
-    torch.distributed.checkpoint: state {name: {...}}, param_groups with "params": [names]), so that it loads
-    under any strategy. `groups`: the names of the parameters of each of the optimizer's groups, in order."""
-    if all(isinstance(i, str) for group in state["param_groups"] for i in group["params"]):
-        return state
-    saved = [i for group in state["param_groups"] for i in group["params"]]
-    names = [name for group in groups for name in group]
-    if len(saved) != len(names):
-        raise CheckpointError(f"The checkpoint's optimizer state is for {len(saved)} parameters, the optimizer has "
-                              f"{len(names)}. Was it saved with another model or optimizer?")
-    name_of = dict(zip(saved, names))  # torch numbers the parameters in the order of their groups
-    return {"state": {name_of[i]: value for i, value in state["state"].items()},
-            "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
-                             for group in state["param_groups"]]}
-
-
-def indexed_optimizer_state(state: dict, groups: list[list[str]]) -> dict:
-    """The inverse, as torch.optim's load_state_dict takes it: each name becomes the position of that
-    parameter in this optimizer (torch pairs saved and current parameters by position within a group)."""
-    if not all(isinstance(i, str) for group in state["param_groups"] for i in group["params"]):
-        return state
-    if len(state["param_groups"]) != len(groups):
-        raise CheckpointError(f"The checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this "
-                              f"one {len(groups)}. Build the optimizer with the groups of the run that saved it.")
-    index = {name: i for i, name in enumerate(name for group in groups for name in group)}
-    out_groups = []
-    for number, (saved, names) in enumerate(zip(state["param_groups"], groups)):
-        if set(saved["params"]) != set(names):
-            differ = sorted(set(saved["params"]) ^ set(names))
-            raise CheckpointError(f"The checkpoint's optimizer group {number} does not hold the parameters of this "
-                                  f"one (differing: {', '.join(differ[:5])}). Was it saved with another model?")
-        out_groups.append({**saved, "params": [index[name] for name in names]})
-    return {"state": {index[name]: value for name, value in state["state"].items() if name in index},
-            "param_groups": out_groups}
 
 
 def parameter_names(optimizer, module: torch.nn.Module) -> list[list[str]]:
@@ -111,6 +82,26 @@ def collect(state: dict, strategy, precision, module_of: dict) -> dict:
             return value.state_dict()
         return value
     return {key: state_of(value) for key, value in state.items()}
+
+
+def apply_filter(collected: dict, filter: dict) -> dict:
+    """Fabric.save's `filter` ({key: fn(name, value) -> keep}), as Lightning applies it: to the entries of each
+    filtered key's state dict (an optimizer's: to its state dict's own entries)."""
+    if not isinstance(filter, dict):
+        raise TypeError(f"filter must be a dict of {{state key: callable}}, got {filter!r}.")
+    unknown = set(filter) - set(collected)
+    if unknown:
+        raise ValueError(f"The filter keys {sorted(unknown)} are not keys of the state ({sorted(collected)}).")
+    out = dict(collected)
+    for key, keep in filter.items():
+        if not callable(keep):
+            raise TypeError(f"filter[{key!r}] must be a callable (name, value) -> bool, got {keep!r}.")
+        value = collected[key]
+        if is_optimizer_entry(value):
+            out[key] = {**value, "optimizer": {k: v for k, v in value["optimizer"].items() if keep(k, v)}}
+        elif isinstance(value, dict):
+            out[key] = {k: v for k, v in value.items() if keep(k, v)}
+    return out
 
 
 def restore(saved: dict, state: dict, strategy, precision, module_of: dict, path, strict: bool,

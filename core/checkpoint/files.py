@@ -1,15 +1,18 @@
-"""Checkpoint files on disk: one atomic write, one safe read, the error they raise.
+"""Checkpoint files on disk: one atomic write, one safe read, the error they raise, and the one-file layout
+(save_file; the user's keys at the top, read back by load_checkpoint as the logical checkpoint).
 
 A file is written to a temporary name beside the target, flushed to disk and renamed over it; a directory
 (sharded, DeepSpeed) is written to a temporary directory and renamed into place, the previous one moved aside
 to `.NAME.old` first. Files are read with `weights_only=True`: a file that would need arbitrary pickled objects
 is refused, and nothing in it is executed.
 """
+import contextvars
 import os
 import pickle
 import shutil
 import warnings
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,7 +20,24 @@ import torch
 STATE = "state.pt"  # in a sharded or DeepSpeed checkpoint directory: everything that is not a tensor
 
 FORMAT = "core-checkpoint"
-VERSION = 2  # 2: optimizer state keyed by parameter name (1: by index, still read)
+VERSION = 2  # state.pt beside shards: {"format", "version", "state"}; optimizers by name (1: by index, still read)
+MARKER = "_core_checkpoint"  # the one file's own entry beside the user's keys
+FILE_VERSION = 3  # the one file: the user's keys at the top (2 and 1 were state.pt's layout, still read)
+
+
+_weights_only = contextvars.ContextVar("weights_only", default=True)
+
+
+@contextmanager
+def trusted(allow: bool = True):
+    """Inside, with `allow`, checkpoint files are read with weights_only=False: arbitrary pickled objects are
+    rebuilt, which runs code from the file. Only for files the user says they trust (Fabric.load's
+    weights_only=False)."""
+    token = _weights_only.set(not allow)
+    try:
+        yield
+    finally:
+        _weights_only.reset(token)
 
 
 class CheckpointError(ValueError):
@@ -84,7 +104,8 @@ def replace_directory(tmp: Path, path: Path, rank: int, barrier) -> None:
 
 
 def load_checkpoint(path, raw: bool = False) -> dict:
-    """Read a checkpoint written by `save_checkpoint`; every failure is a CheckpointError that says why.
+    """Read a checkpoint written by `save_file` or `save_checkpoint` as the logical checkpoint; every failure is
+    a CheckpointError that says why.
     `raw=True` also takes any dict that `torch.save` wrote (a bare state dict, Lightning's Fabric.save)."""
     path = Path(path)
     if not path.is_file():
@@ -92,7 +113,7 @@ def load_checkpoint(path, raw: bool = False) -> dict:
     try:
         with warnings.catch_warnings():  # a foreign pickle's protocol warning would only add noise to our error
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            data = torch.load(path, map_location="cpu", weights_only=True)
+            data = torch.load(path, map_location="cpu", weights_only=_weights_only.get())
     except pickle.UnpicklingError as error:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         imports = _imports_in(path)
@@ -112,12 +133,81 @@ def load_checkpoint(path, raw: bool = False) -> dict:
         reason = str(error).split(". Please file an issue")[0].splitlines()[0][:200]  # torch's advice is not ours
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt: {reason}). "
                               f"Resume from an earlier checkpoint.") from error
+    if isinstance(data, dict) and isinstance(data.get(MARKER), dict):
+        return _from_file(data)
     if raw and isinstance(data, dict) and data.get("format") != FORMAT:
         return data
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} was not written by core's Fabric.save (no {FORMAT!r} marker). Load it "
                               f"with torch.load and copy the tensors into your model yourself.")
     return data["state"]
+
+
+def named_optimizer_state(state: dict, groups: list[list[str]]) -> dict:
+    """`optimizer.state_dict()` keyed by parameter name instead of position (the layout of
+    torch.distributed.checkpoint: state {name: {...}}, param_groups with "params": [names]), so that it loads
+    under any strategy. `groups`: the names of the parameters of each of the optimizer's groups, in order."""
+    if all(isinstance(i, str) for group in state["param_groups"] for i in group["params"]):
+        return state
+    saved = [i for group in state["param_groups"] for i in group["params"]]
+    names = [name for group in groups for name in group]
+    if len(saved) != len(names):
+        raise CheckpointError(f"The checkpoint's optimizer state is for {len(saved)} parameters, the optimizer has "
+                              f"{len(names)}. Was it saved with another model or optimizer?")
+    name_of = dict(zip(saved, names))  # torch numbers the parameters in the order of their groups
+    return {"state": {name_of[i]: value for i, value in state["state"].items()},
+            "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def indexed_optimizer_state(state: dict, groups: list[list[str]]) -> dict:
+    """The inverse, as torch.optim's load_state_dict takes it: each name becomes the position of that
+    parameter in this optimizer (torch pairs saved and current parameters by position within a group)."""
+    if not all(isinstance(i, str) for group in state["param_groups"] for i in group["params"]):
+        return state
+    if len(state["param_groups"]) != len(groups):
+        raise CheckpointError(f"The checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this "
+                              f"one {len(groups)}. Build the optimizer with the groups of the run that saved it.")
+    index = {name: i for i, name in enumerate(name for group in groups for name in group)}
+    out_groups = []
+    for number, (saved, names) in enumerate(zip(state["param_groups"], groups)):
+        if set(saved["params"]) != set(names):
+            differ = sorted(set(saved["params"]) ^ set(names))
+            raise CheckpointError(f"The checkpoint's optimizer group {number} does not hold the parameters of this "
+                                  f"one (differing: {', '.join(differ[:5])}). Was it saved with another model?")
+        out_groups.append({**saved, "params": [index[name] for name in names]})
+    return {"state": {index[name]: value for name, value in state["state"].items() if name in index},
+            "param_groups": out_groups}
+
+
+def is_optimizer_entry(value) -> bool:
+    return isinstance(value, dict) and set(value) == {"optimizer", "scaler"} and \
+        isinstance(value["optimizer"], dict) and "param_groups" in value["optimizer"]
+
+
+def save_file(state: dict, path) -> None:
+    """The logical checkpoint as one file (see the top of this module)."""
+    out, optimizers = {}, {}
+    for key, value in state.items():
+        if is_optimizer_entry(value):
+            names = [list(group["params"]) for group in value["optimizer"]["param_groups"]]
+            out[key] = indexed_optimizer_state(value["optimizer"], names)
+            optimizers[key] = {"names": names, "scaler": value["scaler"]}
+        else:
+            out[key] = value
+    if MARKER in out:
+        raise ValueError(f"{MARKER!r} is the name of the checkpoint's own entry; name the state's entry otherwise.")
+    atomic_save({**out, MARKER: {"version": FILE_VERSION, "optimizers": optimizers}}, path)
+
+
+def _from_file(data: dict) -> dict:
+    """The logical checkpoint of a file save_file wrote."""
+    optimizers = data[MARKER].get("optimizers", {})
+    out = {key: value for key, value in data.items() if key != MARKER}
+    for key, entry in optimizers.items():
+        if key in out:
+            out[key] = {"optimizer": named_optimizer_state(out[key], entry["names"]), "scaler": entry["scaler"]}
+    return out
 
 
 def _imports_in(path: Path) -> list[str]:

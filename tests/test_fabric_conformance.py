@@ -1,0 +1,237 @@
+"""Behaviours of Lightning Fabric's public API that a ported script relies on (issue 29), each written from
+Lightning's documentation and run against core and, where lightning is installed, against Lightning with the
+same assertion. Where core differs on purpose, the README's "Coming from Lightning Fabric" says why."""
+import argparse
+import importlib.util
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import core
+
+IMPLEMENTATIONS = ["core", pytest.param("lightning", marks=pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None, reason="lightning is not installed (the bench extra)"))]
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def Fabric(request):
+    if request.param == "core":
+        return core.Fabric
+    import lightning
+    return lightning.Fabric
+
+
+class Scaled(DataLoader):
+    """A DataLoader subclass with an argument of its own and its own __iter__."""
+
+    def __init__(self, dataset, scale, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.scale = scale
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            yield batch * self.scale
+
+
+def _scaled_batches(fabric):
+    loader = fabric.setup_dataloaders(Scaled(torch.arange(6), 100, batch_size=2))
+    return [batch.tolist() for batch in loader]
+
+
+@pytest.mark.multiprocess
+def test_a_dataloader_subclass_keeps_its_class_and_arguments_when_sharded(Fabric):
+    batches = Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_scaled_batches)
+    assert batches == [[0, 200], [400]]  # rank 0's share (0, 2, 4), scaled by the subclass
+
+
+def test_clip_gradients_raises_on_a_non_finite_norm_unless_told_not_to(Fabric):
+    fabric = Fabric(accelerator="cpu")
+    model = fabric.setup_module(nn.Linear(2, 1))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    fabric.backward(model(torch.tensor([[float("inf"), 1.0]])).sum())
+    with pytest.raises(RuntimeError, match="non-finite|nonfinite|is inf|is nan|cannot be clipped"):
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+    norm = fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
+    assert not torch.isfinite(norm)
+
+
+class MakesATensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.linear(x) + torch.ones(2)  # created in forward: in the default dtype
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16-true", torch.bfloat16), ("16-true", torch.float16),
+                                              ("64-true", torch.float64)])
+def test_true_precisions_set_the_default_dtype_inside_and_return_float32(Fabric, precision, dtype):
+    fabric = Fabric(accelerator="cpu", precision=precision)
+    with fabric.init_module():
+        module = MakesATensor()
+    assert module.linear.weight.dtype == dtype
+    with fabric.init_tensor():
+        assert torch.ones(1).dtype == dtype
+    output = fabric.setup(module)(torch.ones(3, 2))
+    assert output.dtype == torch.float32 and torch.get_default_dtype() == torch.float32
+
+
+def test_seed_everything_seeds_workers_by_default_takes_a_whole_float_and_sets_no_hash_seed(Fabric, monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    assert Fabric.seed_everything(42.0) == 42
+    assert os.environ["PL_SEED_WORKERS"] == "1" and "PYTHONHASHSEED" not in os.environ
+
+
+def test_deepspeed_leaves_no_accelerator_variable_behind(Fabric, monkeypatch):
+    pytest.importorskip("deepspeed")
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    Fabric(accelerator="cpu", strategy="deepspeed_stage_2", devices=1)
+    assert "DS_ACCELERATOR" not in os.environ
+
+
+def test_a_checkpoint_opens_with_torch_load_by_the_users_own_keys(Fabric, tmp_path):
+    fabric = Fabric(accelerator="cpu")
+    model = fabric.setup_module(nn.Linear(3, 2))
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters()))
+    fabric.backward(model(torch.ones(1, 3)).sum())
+    optimizer.step()
+    fabric.save(tmp_path / "c.ckpt", {"model": model, "optimizer": optimizer, "step": 3})
+    saved = torch.load(tmp_path / "c.ckpt", weights_only=True)
+    assert saved["step"] == 3 and torch.equal(saved["model"]["weight"], model.weight)
+    plain = torch.optim.Adam(nn.Linear(3, 2).parameters())
+    plain.load_state_dict(saved["optimizer"])  # torch's own layout
+    assert torch.equal(plain.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed")
+def test_checkpoints_move_between_core_and_lightning(tmp_path):
+    import lightning
+
+    for writer, reader in ((core.Fabric, lightning.Fabric), (lightning.Fabric, core.Fabric)):
+        torch.manual_seed(0)
+        source = writer(accelerator="cpu")
+        model = source.setup_module(nn.Linear(3, 2))
+        optimizer = source.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        source.backward(model(torch.ones(1, 3)).sum())
+        optimizer.step()
+        source.save(tmp_path / "c.ckpt", {"model": model, "optimizer": optimizer, "step": 7})
+        target = reader(accelerator="cpu")
+        loaded = target.setup_module(nn.Linear(3, 2))
+        loaded_optimizer = target.setup_optimizers(torch.optim.SGD(loaded.parameters(), lr=0.1, momentum=0.9))
+        state = {"model": loaded, "optimizer": loaded_optimizer, "step": 0}
+        target.load(tmp_path / "c.ckpt", state)
+        assert state["step"] == 7 and torch.equal(loaded.weight, model.weight)
+        assert torch.equal(loaded_optimizer.state_dict()["state"][0]["momentum_buffer"],
+                           optimizer.state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_load_takes_weights_only_false_for_a_trusted_file_and_save_takes_a_filter(Fabric, tmp_path):
+    fabric = Fabric(accelerator="cpu")
+    model = fabric.setup(nn.Linear(3, 2))
+    torch.save({"model": model.state_dict(), "args": argparse.Namespace(lr=0.1)}, tmp_path / "namespace.ckpt")
+    rest = fabric.load(tmp_path / "namespace.ckpt", {"model": model}, weights_only=False)
+    assert rest["args"].lr == 0.1
+    fabric.save(tmp_path / "filtered.ckpt", {"model": model}, filter={"model": lambda name, value: name == "bias"})
+    assert list(torch.load(tmp_path / "filtered.ckpt", weights_only=True)["model"]) == ["bias"]
+
+
+def test_the_same_raw_module_and_optimizer_set_up_twice(Fabric):
+    fabric = Fabric(accelerator="cpu")
+    module = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    first, _ = fabric.setup(module, optimizer)
+    second, _ = fabric.setup(module, optimizer)
+    assert second.module is module and first.module is module
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def on_after_setup(self, fabric, module):
+        self.calls.append(("setup", type(module.module).__name__))
+
+    def on_after_optimizer_step(self, strategy, optimizer):
+        self.calls.append(("step", type(optimizer).__name__))
+
+
+def test_callbacks_hear_of_setup_and_of_each_optimizer_step(Fabric):
+    recorder = Recorder()
+    fabric = Fabric(accelerator="cpu", callbacks=[recorder])
+    module = nn.Linear(2, 1)
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    fabric.setup_module(nn.Linear(2, 1))  # setup_module calls no hook
+    fabric.backward(model(torch.ones(1, 2)).sum())
+    optimizer.step()
+    assert recorder.calls == [("setup", "Linear"), ("step", "SGD")]
+
+
+def test_smaller_api_items(Fabric):
+    fabric = Fabric(accelerator="cpu")
+    fabric.barrier("named")
+    assert "cpu" in repr(fabric.accelerator).lower()
+
+
+class Unreadable:
+    """A callable whose signature inspect cannot read (as some builtins and C extensions)."""
+
+    __signature__ = "unreadable"
+
+    def __call__(self, *args, **kwargs):
+        self.got = (args, kwargs)
+
+
+class WithUnreadableHook:
+    def __init__(self):
+        self.on_hook = Unreadable()
+
+
+def test_a_callback_whose_signature_cannot_be_read_gets_every_argument(Fabric):
+    callback = WithUnreadableHook()
+    Fabric(accelerator="cpu", callbacks=[callback]).call("on_hook", 1, flag=True)
+    assert callback.on_hook.got == ((1,), {"flag": True})
+
+
+@pytest.mark.parametrize("name", ["ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true", "dp"])
+def test_lightnings_strategy_names_are_known(Fabric, name):
+    fabric = Fabric(accelerator="cpu", strategy=name, devices=1 if name == "dp" else 2)
+    assert fabric.world_size == (1 if name == "dp" else 2)
+
+
+def _setup_a_lightning_module(fabric):
+    import lightning
+
+    class Module(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 1)
+
+        def forward(self, x):
+            self.log("seen", x.sum())
+            return self.layer(x)
+
+    module = Module()
+    fabric.setup(module)(torch.ones(1, 2))
+    return module
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed")
+def test_a_lightning_module_knows_its_fabric_and_logs_through_it(Fabric):
+    class Logger:
+        def __init__(self):
+            self.records = []
+
+        def log_metrics(self, metrics, step=None):
+            self.records.append(metrics)
+
+    logger = Logger()
+    fabric = Fabric(accelerator="cpu", loggers=[logger])
+    module = _setup_a_lightning_module(fabric)
+    assert module.fabric is fabric and module.logger is logger
+    assert [{k: float(v) for k, v in r.items()} for r in logger.records] == [{"seen": 2.0}]
