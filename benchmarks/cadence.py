@@ -10,7 +10,6 @@ step's time comes from the second run, between its records at steps S and 2S. Th
 save per 500 steps: save / (500 x step). Medians over the repeats; each run is the user's command, default
 data and flags.
 """
-import argparse
 import json
 import os
 import statistics
@@ -19,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.record import ROOT, table, uncommitted, write
+from benchmarks.record import ROOT, part_main, table, write
 from benchmarks.workloads import WORKLOADS
 
 CADENCE = 500  # common/config.py's default --checkpoint-every
@@ -47,14 +46,7 @@ def measure(workload: str, steps: int) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cadence", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats; writes results/quick/")
-    args = parser.parse_args(argv)
-    if not args.quick and uncommitted():
-        parser.error("a full run writes the committed results, which must come from a commit: commit (or stash) "
-                     "the changes first, or pass --quick")
-    print(run_cadence(args.quick))
+    part_main("python -m benchmarks.cadence", __doc__, run_cadence, argv)
 
 
 def run_cadence(quick: bool) -> str:

@@ -10,7 +10,6 @@ command, `python -m gan.train --strategy ddp --devices 2 --eval-every N`, on the
 `metrics.jsonl` records every evaluation's `eval_seconds`. Cold: an empty classifier cache (SUITE_CACHE), so the
 first evaluation trains the classifier; warm: the cache from the cold run.
 """
-import argparse
 import json
 import os
 import statistics
@@ -19,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.record import ROOT, table, uncommitted, write
+from benchmarks.record import ROOT, part_main, table, write
 
 TARGET = 0.1  # a later evaluation costs at most a tenth of the first (issue 31)
 
@@ -58,14 +57,7 @@ def run_evaluation(quick: bool) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.evaluation", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer steps; writes results/quick/")
-    args = parser.parse_args(argv)
-    if not args.quick and uncommitted():
-        parser.error("a full run writes the committed results, which must come from a commit: commit (or stash) "
-                     "the changes first, or pass --quick")
-    print(run_evaluation(args.quick))
+    part_main("python -m benchmarks.evaluation", __doc__, run_evaluation, argv)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,21 @@ def uncommitted() -> bool:
     return environment()["commit"].endswith("-dirty")
 
 
+def part_main(prog: str, description: str, run, argv=None) -> None:
+    """The command line of one part run alone (`python -m benchmarks.cadence [--quick]`): `run(quick)` returns
+    its markdown; a full run from uncommitted code is refused, since its results are committed."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats; writes results/quick/")
+    args = parser.parse_args(argv)
+    if not args.quick and uncommitted():
+        parser.error("a full run writes the committed results, which must come from a commit: commit (or stash) "
+                     "the changes first, or pass --quick")
+    print(run(args.quick))
+
+
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 

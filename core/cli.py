@@ -84,4 +84,7 @@ class FabricFlags:
         strategy = resolve_arguments(*options.values(), None)[1]  # "auto" as Fabric resolves it
         if STRATEGIES[strategy][0] is not SingleDevice:  # one process has no collective to wait in
             options["timeout"] = self.collective_timeout
+        workload_config = getattr(self, "deepspeed_config", lambda: None)()  # a workload's needs, if it has any
+        if workload_config and strategy.startswith("deepspeed"):
+            options["config"] = workload_config
         return options

@@ -136,6 +136,24 @@ class DeepSpeed(DDP):
     def no_backward_sync(self, module):
         return nullcontext()  # the engine accumulates every backward locally and reduces in its step
 
+    def keep_for_second_backward(self, module, optimizers: list) -> None:
+        """ZeRO-1 takes the second backward as it is, ZeRO-2 with its gradients kept apart (its contiguous
+        gradient buckets fail: IndexError in reduce_ipg_grads); ZeRO-3 cannot (its partitioned convolution's
+        double backward fails); 16-mixed's loss scale is the engine's own, which fabric.grad cannot apply."""
+        zero = self.config()["zero_optimization"]
+        reason = None
+        if zero["stage"] == 3:
+            reason = "ZeRO-3's partitioned parameters fail in the double backward (a convolution's); use stage 1 or 2"
+        elif zero["stage"] == 2 and zero.get("contiguous_gradients", True):
+            reason = ("ZeRO-2's contiguous gradient buckets fail in it; pass config={'zero_optimization': "
+                      "{'contiguous_gradients': False}}")
+        elif self.precision.name == "16-mixed":
+            reason = "the engine keeps 16-mixed's loss scale to itself; use bf16-mixed or 32-true"
+        if reason:
+            raise RuntimeError(f"fabric.grad under strategy={self.name!r}: the loss's backward goes through the "
+                               f"gradient it returns, a second backward through the engine, and {reason} "
+                               f"(DeepSpeed {_version()}; or use strategy='ddp' or 'fsdp').")
+
     def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         # ZeRO moves gradients into its partitions during backward and clips them inside engine.step
         raise RuntimeError(f"DeepSpeed clips gradients inside its engine's step, so fabric.clip_gradients cannot "
@@ -262,3 +280,7 @@ class Zero3Shares:
             persistent[0].partition(persistent)
             persistent[0].all_gather(persistent)
 
+
+def _version() -> str:
+    import deepspeed
+    return deepspeed.__version__

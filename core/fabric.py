@@ -297,6 +297,34 @@ class Fabric:
             tensor = self._precision.scale_loss(tensor, id(optimizers[0].optimizer))
         return self._strategy.backward(tensor, module, *args, **kwargs)
 
+    def grad(self, outputs, inputs, grad_outputs=None, create_graph: bool = True, model: FabricModule | None = None):
+        """`torch.autograd.grad(outputs, inputs, grad_outputs, create_graph=create_graph)` through set-up modules,
+        for a penalty on the gradient with respect to the inputs (R1, WGAN-GP) whose own gradient
+        `fabric.backward` then takes with the loss. Under 16-mixed the outputs are scaled by the model's loss
+        scale and the gradients unscaled, so an overflow leaves inf in them and the scaler skips that step as it
+        would for the loss; under fsdp the model's parameters stay gathered until its optimizer steps; DeepSpeed
+        refuses it. `model`: as for backward."""
+        module = model if model is not None else validation.module_of_loss(
+            outputs if isinstance(outputs, torch.Tensor) else outputs[0], self._modules)
+        optimizers = [wrapped.optimizer for wrapped in self._optimizers_of.get(id(module), [])]
+        self._strategy.keep_for_second_backward(module, optimizers)
+        scaler = None
+        if self._precision.scalers:
+            if len(optimizers) != 1:
+                raise ValueError(f"16-mixed keeps one loss scale per optimizer, and the model these outputs come "
+                                 f"from has {len(optimizers)} optimizers; set up one optimizer per model.")
+            scaler = self._precision.scalers[id(optimizers[0])]
+            outputs = map_nested(outputs, scaler.scale)
+        self._backward.active = True  # the outputs' guard would take this for a bare loss.backward()
+        try:
+            grads = torch.autograd.grad(outputs, inputs, grad_outputs=grad_outputs, create_graph=create_graph)
+        finally:
+            self._backward.active = False
+        if scaler is not None:
+            scale = scaler.get_scale()
+            grads = tuple(g / scale if g is not None else None for g in grads)
+        return grads
+
     def clip_gradients(self, module: FabricModule, optimizer: FabricOptimizer, clip_val=None, max_norm=None,
                        norm_type: float = 2.0, error_if_nonfinite: bool = True):
         """Clip by value or by total norm (returns the norm before clipping). By norm, a NaN or infinite norm

@@ -123,6 +123,21 @@ class FSDP(DDP):
     def no_backward_sync(self, module):
         return self._gradient_sync(module, False)
 
+    def keep_for_second_backward(self, module, optimizers: list) -> None:
+        """FSDP2 frees each gathered parameter after its backward, but the gradient taken with create_graph
+        holds them for the second backward: the model's parameters stay gathered until its optimizer steps."""
+        shards = [m for m in module.module.modules() if hasattr(m, "set_reshard_after_backward")]
+        for shard in shards:
+            shard.set_reshard_after_backward(False, recurse=False)
+
+        def release(*_):
+            for shard in shards:
+                shard.reshard()
+                shard.set_reshard_after_backward(True, recurse=False)
+            for handle in handles:
+                handle.remove()
+        handles = [optimizer.register_step_post_hook(release) for optimizer in optimizers]
+
     def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         grads = [p.grad for p in params if p.grad is not None]

@@ -78,6 +78,10 @@ class SingleDevice:
     def no_backward_sync(self, module) -> "contextmanager":
         return nullcontext()
 
+    def keep_for_second_backward(self, module, optimizers: list) -> None:
+        """Before a gradient with respect to a module's inputs is taken with create_graph (fabric.grad), keep
+        what the backward that follows (through that gradient) needs until `optimizers` step. Nothing here."""
+
     def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]

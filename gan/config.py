@@ -27,10 +27,19 @@ class Config(RunConfig):
                         f"{', '.join(POLICIES)} (none: no augmentation, the paper's)")
     eval_every: int = flag(0, "score the (average) generator every N steps, keeping checkpoints/best.ckpt at the "
                               "lowest FID (0: only at the end)")
+    r1_gamma: float = flag(0.0, "weight of the R1 penalty gamma/2 E|grad_x D(x)|^2 on the real images the "
+                                "discriminator sees (Mescheder et al. 2018; 0: none)")
+    r1_every: int = flag(16, "take the R1 penalty every N discriminator steps, N times as strong (StyleGAN2's lazy "
+                             "regularisation)")
 
     # what a run saved before a flag existed ran with (common/rundir.py check_resume_config): such a run resumes
     # only with that value, so an older run does not continue through a generator it was not trained with
-    saved_before = {"native_size": "0"}
+    saved_before = {"native_size": "0", "r1_gamma": 0.0, "r1_every": 16}
+
+    def deepspeed_config(self) -> dict | None:
+        """DeepSpeed config entries the run needs (core's flags pass them under a deepspeed strategy): ZeRO-2 keeps
+        its gradients apart, so that it takes R1's second backward (core.deepspeed keep_for_second_backward)."""
+        return {"zero_optimization": {"contiguous_gradients": False}} if self.r1_gamma else None
 
     def generator_native_size(self) -> int:
         """--native-size as a side in px (0: none)."""
@@ -57,6 +66,14 @@ class Config(RunConfig):
         parse_policy(self.augment)
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
+        if self.r1_gamma < 0 or self.r1_every < 1:
+            raise ValueError(f"--r1-gamma must be >= 0 and --r1-every >= 1, got {self.r1_gamma} and {self.r1_every}")
+        strategy = getattr(self, "strategy", "")  # core's flags, merged in the wrapped script
+        if self.r1_gamma and strategy.startswith("deepspeed") and \
+                (strategy.startswith("deepspeed_stage_3") or getattr(self, "precision", "") == "16-mixed"):
+            raise ValueError("--r1-gamma takes a second backward through the discriminator, which DeepSpeed's engines "
+                             "take under ZeRO-1 and -2 in 32-true and bf16-mixed only; use one of those, or "
+                             "--strategy ddp or fsdp")
         if self.eval_every and self.dataset == "fake":
             raise ValueError("--eval-every: fake data has no classes to score against; pass --eval-every 0")
 

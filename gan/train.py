@@ -74,10 +74,15 @@ def main(config: Config) -> dict:
 
         # (1) Update D: maximize log D(x) + log(1 - D(G(z)))
         fake = generator(noise)
-        logits_real = discriminator(augment(real, draws))  # real and generated images through the same transforms
+        regularise = config.r1_gamma > 0 and step % config.r1_every == 0
+        seen = augment(real, draws).requires_grad_(regularise)  # real and generated images through the same transforms
+        logits_real = discriminator(seen)
         logits_fake = discriminator(augment(fake.detach(), draws))
         loss_d = (F.binary_cross_entropy_with_logits(logits_real, torch.ones_like(logits_real))
                   + F.binary_cross_entropy_with_logits(logits_fake, torch.zeros_like(logits_fake)))
+        if regularise:  # lazy R1: every K steps, K times as strong
+            (gradient,) = fabric.grad(logits_real.sum(), seen)
+            loss_d = loss_d + config.r1_every * config.r1_gamma / 2 * gradient.pow(2).sum([1, 2, 3]).mean()
         optimizer_d.zero_grad(set_to_none=True)
         fabric.backward(loss_d)
         optimizer_d.step()

@@ -94,7 +94,8 @@ def replace_directory(tmp: Path, path: Path, rank: int, barrier) -> None:
     `.NAME.old`, which `--resume` finds if the process dies between the two renames."""
     barrier()
     if rank == 0:
-        (tmp / ".created-by-rank-0").unlink(missing_ok=True)  # clear_directory's
+        if tmp.is_dir():  # (atomic_save also moves a file here over an earlier strategy's directory)
+            (tmp / ".created-by-rank-0").unlink(missing_ok=True)  # clear_directory's
         old = path.with_name(f".{path.name}.old")
         if path.exists():
             os.replace(path, old)

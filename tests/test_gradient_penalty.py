@@ -1,0 +1,109 @@
+"""Gradient penalties (R1, WGAN-GP) through set-up modules: `fabric.grad` on 2 processes equals one process on the
+whole batch under ddp and fsdp in each precision and under DeepSpeed ZeRO-1 and -2 (SGD, so a scaled or skipped
+gradient would show), what DeepSpeed cannot take refused with the reason, and the GAN's `--r1-gamma` in both
+variants."""
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from core import Fabric
+from tests.conftest import ROOT, TORCHRUN, run
+
+SCRIPT = str(ROOT / "tests" / "penalty_parity.py")
+NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="the deepspeed extra")
+# 32-true: the same sums in another order. The mixed modes against the same mode on one process: their
+# rounding (bf16's 8-bit mantissa) of the split batch differs from the whole one's.
+TOLERANCE = {"32-true": 1e-6, "bf16-mixed": 5e-4, "16-mixed": 5e-4}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy, precision", [
+    ("ddp", "32-true"), ("ddp", "bf16-mixed"), ("ddp", "16-mixed"), ("fsdp", "32-true"), ("fsdp", "bf16-mixed"),
+    pytest.param("deepspeed_stage_1", "32-true", marks=NEEDS_DEEPSPEED),
+    pytest.param("deepspeed_stage_2", "32-true", marks=NEEDS_DEEPSPEED)])
+def test_a_penalty_on_two_processes_equals_one_process_on_the_whole_batch(tmp_path, strategy, precision):
+    run([SCRIPT, "--precision", precision, "--out", str(tmp_path / "one.pt")])
+    run([*TORCHRUN, SCRIPT, "--strategy", strategy, "--devices", "2", "--precision", precision, "--out",
+         str(tmp_path / "two.pt")], timeout=300)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    initial = __import__("tests.penalty_parity", fromlist=["discriminator"]).discriminator().state_dict()
+    assert max((one[k] - initial[k]).abs().max().item() for k in one) > 0.01  # it trained
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < TOLERANCE[precision]
+
+
+def test_16_mixed_scales_the_outputs_and_unscales_the_input_gradient():
+    """Under 16-mixed the gradient is taken at the loss scale: at the first scale (2^16) float16 overflows, the
+    penalty's step is skipped and the scale halved, as GradScaler does for a loss; once it fits, the gradient is
+    32-true's with the scale divided out. A bare autograd.grad, which would skip the scale, is refused."""
+    x = torch.randn(4, 3)
+    torch.manual_seed(0)
+    reference = nn.Linear(3, 1)
+    inputs = x.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(reference(inputs).sum(), inputs)
+    fabric = Fabric(accelerator="cpu", precision="16-mixed")
+    torch.manual_seed(0)
+    model = fabric.setup_module(nn.Linear(3, 1))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    skipped = 0
+    while True:
+        inputs = x.clone().requires_grad_(True)
+        (gradient,) = fabric.grad(model(inputs).sum(), inputs)
+        if torch.isfinite(gradient).all():
+            break
+        optimizer.zero_grad()
+        fabric.backward(gradient.pow(2).sum())
+        optimizer.step()  # inf gradients: skipped, the scale halved
+        skipped += 1
+        assert skipped < 5
+    assert skipped >= 1 and torch.equal(model.weight, reference.weight)  # every overflowing step was skipped
+    assert torch.allclose(gradient, expected, atol=1e-3)
+    inputs = x.clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="needs fabric.backward"):
+        torch.autograd.grad(model(inputs).sum(), inputs, create_graph=True)
+
+
+@pytest.mark.parametrize("strategy, precision, reason", [
+    ("deepspeed_stage_3", "32-true", "ZeRO-3's partitioned parameters fail"),
+    ("deepspeed_stage_2", "32-true", "'contiguous_gradients': False"),
+    ("deepspeed_stage_1", "16-mixed", "use bf16-mixed or 32-true")])
+def test_deepspeed_refuses_what_its_engines_cannot_take_with_the_reason(strategy, precision, reason):
+    pytest.importorskip("deepspeed")
+    fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2, precision=precision)
+    with pytest.raises(RuntimeError, match=reason):
+        fabric.strategy.keep_for_second_backward(None, [])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_gans_r1_under_ddp_equals_the_plain_script_under_torchrun_bitwise(tmp_path):
+    flags = ["--r1-gamma", "1", "--r1-every", "4", "--max-steps", "12", "--batch-size", "16", "--eval-samples", "16"]
+    run(["-m", "gan.train", "--strategy", "ddp", "--devices", "2", *flags, "--out", str(tmp_path / "wrapped")],
+        timeout=300)
+    run([*TORCHRUN, "-m", "gan.train_torch", *flags, "--out", str(tmp_path / "plain")], timeout=300)
+    run(["-m", "gan.train", "--strategy", "ddp", "--devices", "2", *flags[4:], "--out", str(tmp_path / "none")],
+        timeout=300)
+    load = lambda name: torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=True)  # noqa: E731
+    wrapped, plain, none = load("wrapped"), load("plain"), load("none")
+    for model in ("generator", "discriminator"):
+        assert all(torch.equal(wrapped[model][k], plain[model][k]) for k in wrapped[model])
+    assert not all(torch.equal(wrapped["discriminator"][k], none["discriminator"][k]) for k in none["discriminator"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("deepspeed_stage_1", marks=NEEDS_DEEPSPEED),
+                                      pytest.param("deepspeed_stage_2", marks=NEEDS_DEEPSPEED)])
+def test_the_gans_r1_runs_on_the_default_data(tmp_path, strategy):
+    run(["-m", "gan.train", "--r1-gamma", "1", "--strategy", strategy, "--devices", "2", "--max-steps", "30",
+         "--out", str(tmp_path / "run")], timeout=300)
+    assert (tmp_path / "run" / "summary.json").exists()
+
+
+def test_the_gan_refuses_r1_under_zero_3_with_one_line():
+    result = run(["-m", "gan.train", "--r1-gamma", "1", "--strategy", "deepspeed_stage_3", "--devices", "2"],
+                 check=False)
+    assert result.returncode == 2 and "--r1-gamma takes a second backward" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
