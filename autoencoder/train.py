@@ -26,7 +26,7 @@ def main(config: Config) -> dict:
     fabric.launch()
     rank, world_size, device = fabric.global_rank, fabric.world_size, fabric.device
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out, "autoencoder", write=rank == 0, broadcast=fabric.broadcast, resume=config.resume)
+    run = RunDir(config.out, "autoencoder", write=rank == 0, collectives=fabric, resume=config.resume)
 
     train_set, test_set = load_splits(config.dataset, config.data_root, config.image_size, config.download)
     loader = make_loader(train_set, config.batch_size, config.seed, config.num_workers, rank, world_size,

@@ -18,9 +18,10 @@ def environment() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 check=True).stdout.strip()
-        # the results and the README tables are this harness's own output, rewritten as it goes
+        # the results and the README tables are this harness's own output, rewritten as it goes; the benchmarks'
+        # README is prose (its result sections are pasted from results/)
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                     ":!benchmarks/results", ":!README.md"], cwd=ROOT,
+                                     ":!benchmarks/results", ":!README.md", ":!benchmarks/README.md"], cwd=ROOT,
                                     capture_output=True, text=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = "unknown", False

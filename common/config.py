@@ -84,8 +84,8 @@ def parse(config_class, argv=None, prog=None, description=None):
 def cli(main, *config_classes, prog: str, description: str = ""):
     """Run `main(config)` from the command line: bad input (flags, data, checkpoints: ValueError and
     FileNotFoundError) exits with status 2 and one line, a diverged run (FloatingPointError) or a rank that
-    waited past the collective timeout (TimeoutError) with 1 and one line; anything else is a bug and keeps its traceback. SUITE_TRACEBACK=1 in the environment keeps
-    the traceback of the one-line errors too. Before such an exit, `config.on_failure()` (where the config
+    waited past the collective timeout (TimeoutError) with 1 and one line; anything else is a bug and keeps
+    its traceback. SUITE_TRACEBACK=1 in the environment keeps the traceback of the one-line errors too. Before such an exit, `config.on_failure()` (where the config
     has one: core's flags) tells the launcher not to wait for the other ranks."""
     config = parse(merge(*config_classes), prog=prog, description=description)
     failing = getattr(config, "on_failure", lambda: None)

@@ -183,22 +183,22 @@ class RunDir:
     (config.json, written once data, models and any resumed checkpoint have loaded); a default directory is
     claimed at once and removed again if the run fails before writing to it."""
 
-    def __init__(self, out: str, workload: str, write: bool = True, broadcast=None, resume: str = ""):
-        """`out`: the run directory resolve_run chose ("" for a new default one). `broadcast` (e.g.
-        fabric.broadcast) hands every rank rank 0's value, so that all ranks agree on a default name and on
-        `resume`, the checkpoint resolve_run found (each process looked for itself: a node that does not see
-        the run directory would start afresh while the others resume)."""
+    def __init__(self, out: str, workload: str, write: bool = True, collectives=None, resume: str = ""):
+        """`out`: the run directory resolve_run chose ("" for a new default one). `collectives`: an object with
+        Fabric's `broadcast` and `all_reduce` (the Fabric), so that all ranks agree on a default name, on seeing
+        the run directory and on `resume`, the checkpoint resolve_run found (each process looked for itself: a
+        node that does not see the run directory would start afresh while the others resume)."""
         if write:
             if out:
                 _check_writable(Path(out))
             else:
                 out = str(_new_directory(workload))
-        self.path = Path(broadcast(out) if broadcast is not None else out)
-        if broadcast is not None:
-            _check_shared(self.path, write, broadcast)
-        if broadcast is not None and broadcast(resume) != resume:
-            raise ValueError(f"this process found {resume or 'no checkpoint'} to resume from and rank 0 found another "
-                             f"(or none) in {self.path}: the run directory must be on a filesystem every node sees")
+        self.path = Path(collectives.broadcast(out) if collectives is not None else out)
+        if collectives is not None:
+            _check_shared(self.path, write, collectives)
+            if not _everywhere(collectives, collectives.broadcast(resume) == resume):
+                raise ValueError(f"the ranks found different checkpoints to resume from in {self.path} (this one: "
+                                 f"{resume or 'none'}): the run directory must be on a filesystem every node sees")
         self.workload, self.write = workload, write  # write: False on every rank but 0
         self.started = time.perf_counter()
         self.loggers = []  # objects with Lightning's log_metrics(metrics, step) and finalize(status); see start
@@ -306,27 +306,33 @@ def cuda_peak() -> dict:
     return {}
 
 
-def _check_shared(path: Path, write: bool, broadcast) -> None:
+def _everywhere(collectives, holds: bool) -> bool:
+    """True on every rank when `holds` is true on every rank: a decision all ranks take together."""
+    return bool(collectives.all_reduce(torch.tensor(int(holds)), reduce_op="min"))
+
+
+def _check_shared(path: Path, write: bool, collectives) -> None:
     """Every rank must see the run directory rank 0 writes: checkpoints are read on every rank, and under fsdp
-    and DeepSpeed every rank writes its shard into it. Rank 0 leaves a marker there; a rank that does not see
-    it (a disk local to its node) stops at once, before any training, instead of at its first checkpoint."""
+    and DeepSpeed every rank writes its shard into it. Rank 0 leaves a marker there and the ranks say together
+    whether each sees it: all stop at once, before any training, instead of at the first checkpoint."""
     token = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}" if write else None
     created = write and not path.exists()
     if write:
         path.mkdir(parents=True, exist_ok=True)
         (path / f".rank-0-{token}").touch()
-    token = broadcast(token)
+    token = collectives.broadcast(token)
     seen = (path / f".rank-0-{token}").is_file()
-    broadcast(None)  # every rank has looked before rank 0 removes the marker
+    everywhere = _everywhere(collectives, seen)  # (every rank has looked before rank 0 removes the marker)
     if write:
         (path / f".rank-0-{token}").unlink()
         if created:
             path.rmdir()  # an --out appears with the run's first file
-    if not seen:
-        raise ValueError(f"this process does not see the run directory {path.resolve()} that rank 0 (on host "
-                         f"{token.split('-')[0]}) writes: it must be on a filesystem every node sees (every rank reads "
-                         f"the checkpoints, and under fsdp and deepspeed writes its shard there); pass an --out on "
-                         f"shared storage")
+    if not everywhere:
+        host = token.rsplit("-", 2)[0]
+        where = "this process does not see" if not seen else "another node's process does not see"
+        raise ValueError(f"{where} the run directory {path.resolve()} that rank 0 (on host {host}) writes: it must "
+                         f"be on a filesystem every node sees (every rank reads the checkpoints, and under fsdp "
+                         f"and deepspeed writes its shard there); pass an --out on shared storage")
 
 
 def _check_writable(path: Path) -> None:

@@ -139,7 +139,7 @@ class DeepSpeed(DDP):
     def keep_for_second_backward(self, module, optimizers: list) -> None:
         """ZeRO-1 takes the second backward as it is, ZeRO-2 with its gradients kept apart (its contiguous
         gradient buckets fail: IndexError in reduce_ipg_grads); ZeRO-3 cannot (its partitioned convolution's
-        double backward fails); 16-mixed's loss scale is the engine's own, which fabric.grad cannot apply."""
+        double backward fails); under float16 the loss scale is the engine's own, which fabric.grad cannot apply."""
         zero = self.config()["zero_optimization"]
         reason = None
         if zero["stage"] == 3:
@@ -147,8 +147,8 @@ class DeepSpeed(DDP):
         elif zero["stage"] == 2 and zero.get("contiguous_gradients", True):
             reason = ("ZeRO-2's contiguous gradient buckets fail in it; pass config={'zero_optimization': "
                       "{'contiguous_gradients': False}}")
-        elif self.precision.name == "16-mixed":
-            reason = "the engine keeps 16-mixed's loss scale to itself; use bf16-mixed or 32-true"
+        elif self.precision.name in ("16-mixed", "16-true"):
+            reason = "the engine keeps its float16 loss scale to itself; use bf16-mixed or 32-true"
         if reason:
             raise RuntimeError(f"fabric.grad under strategy={self.name!r}: the loss's backward goes through the "
                                f"gradient it returns, a second backward through the engine, and {reason} "

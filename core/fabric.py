@@ -253,16 +253,18 @@ class Fabric:
         strategy, precision = self._strategy, self._precision
         self._plain_backward = self._plain_backward and not precision.scalers
         self._backward.required = not self._plain_backward
-        hooks = [callback.on_after_optimizer_step for callback in self._callbacks
-                 if callable(getattr(callback, "on_after_optimizer_step", None))]
+        callbacks = self._callbacks  # may grow: a LightningModule set up later becomes one
+        may_have_hooks = bool(callbacks) or hasattr(module.module, "_fabric")
         if type(strategy).optimizer_step is SingleDevice.optimizer_step and id(optimizer) not in precision.scalers \
-                and not hooks:
+                and not may_have_hooks:
             step = optimizer.step  # nothing to add on the way
         else:
             def step(closure=None):
                 output = strategy.optimizer_step(optimizer, module, **({"closure": closure} if closure else {}))
-                for hook in hooks:  # Lightning's callback hook, with its arguments
-                    hook(strategy=strategy, optimizer=optimizer)
+                for callback in callbacks:  # Lightning's callback hook, with its arguments
+                    hook = getattr(callback, "on_after_optimizer_step", None)
+                    if callable(hook):
+                        hook(strategy=strategy, optimizer=optimizer)
                 return output
         wrapped = wrap_optimizer(optimizer, step)
         self._module_of[id(wrapped)] = module
@@ -307,7 +309,8 @@ class Fabric:
         module = model if model is not None else validation.module_of_loss(
             outputs if isinstance(outputs, torch.Tensor) else outputs[0], self._modules)
         optimizers = [wrapped.optimizer for wrapped in self._optimizers_of.get(id(module), [])]
-        self._strategy.keep_for_second_backward(module, optimizers)
+        if create_graph:  # a backward through the gradient follows
+            self._strategy.keep_for_second_backward(module, optimizers)
         scaler = None
         if self._precision.scalers:
             if len(optimizers) != 1:

@@ -126,6 +126,9 @@ class FSDP(DDP):
     def keep_for_second_backward(self, module, optimizers: list) -> None:
         """FSDP2 frees each gathered parameter after its backward, but the gradient taken with create_graph
         holds them for the second backward: the model's parameters stay gathered until its optimizer steps."""
+        if not optimizers:
+            raise ValueError("fabric.grad under fsdp keeps the model's parameters gathered until its optimizer steps, "
+                             "and this model has none set up: set it up with its optimizer.")
         shards = [m for m in module.module.modules() if hasattr(m, "set_reshard_after_backward")]
         for shard in shards:
             shard.set_reshard_after_backward(False, recurse=False)

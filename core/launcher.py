@@ -112,7 +112,9 @@ def own_store():
     - a run whose ranks this launcher started: in rank 0 the store host_store started, elsewhere a client of it;
     - under torchrun: a client of the agent's store, its keys prefixed by the restart count. The agent keeps
       one store across the restarts of `--max-restarts`; with env://'s fixed key names a restarted rank could
-      read a dead rank's address from the round before and fail in gloo's connection set-up."""
+      read a dead rank's address from the round before and fail in gloo's connection set-up. (Every agent
+      counts a restart after a failure; an elastic membership change, `--nnodes MIN:MAX`, restarts without
+      counting, so such jobs are not covered.)"""
     env = os.environ
     if _store is not None:
         return _store
@@ -125,9 +127,12 @@ def own_store():
 
 
 def _client_store():
+    """A client of the run's store, waiting as long as init_process_group's start-up does (30 minutes)."""
+    import datetime
+
     from torch.distributed import TCPStore
     return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                    is_master=False)
+                    is_master=False, timeout=datetime.timedelta(minutes=30))
 
 
 def _this_command() -> list[str]:

@@ -295,6 +295,9 @@ def rebuild_loader(loader: DataLoader, **changes) -> DataLoader:
     return _rebuild_subclass(loader, {"dataset": loader.dataset, **options}, changes)
 
 
+_LOADER_ARGUMENTS = set(inspect.signature(DataLoader.__init__).parameters)
+
+
 def _rebuild_subclass(loader: DataLoader, options: dict, changes: dict) -> DataLoader:
     """A DataLoader subclass made again as Lightning makes it: its own constructor called with each of its
     arguments read back from the loader's attribute of the same name (or DataLoader's own argument), and the
@@ -307,6 +310,8 @@ def _rebuild_subclass(loader: DataLoader, options: dict, changes: dict) -> DataL
     for name, parameter in named.items():
         if name in options:
             kwargs[name] = options[name]
+        elif name in _LOADER_ARGUMENTS:  # DataLoader's own (batch_sampler, shuffle, ...): options say them
+            continue
         elif hasattr(loader, name):
             kwargs[name] = getattr(loader, name)
         elif parameter.default is parameter.empty:

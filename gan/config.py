@@ -70,7 +70,7 @@ class Config(RunConfig):
             raise ValueError(f"--r1-gamma must be >= 0 and --r1-every >= 1, got {self.r1_gamma} and {self.r1_every}")
         strategy = getattr(self, "strategy", "")  # core's flags, merged in the wrapped script
         if self.r1_gamma and strategy.startswith("deepspeed") and \
-                (strategy.startswith("deepspeed_stage_3") or getattr(self, "precision", "") == "16-mixed"):
+                (strategy.startswith("deepspeed_stage_3") or getattr(self, "precision", "") in ("16-mixed", "16-true")):
             raise ValueError("--r1-gamma takes a second backward through the discriminator, which DeepSpeed's engines "
                              "take under ZeRO-1 and -2 in 32-true and bf16-mixed only; use one of those, or "
                              "--strategy ddp or fsdp")

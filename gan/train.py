@@ -29,7 +29,7 @@ def main(config: Config) -> dict:
     fabric.launch()
     rank, world_size, device = fabric.global_rank, fabric.world_size, fabric.device
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out, "gan", write=rank == 0, broadcast=fabric.broadcast, resume=config.resume)
+    run = RunDir(config.out, "gan", write=rank == 0, collectives=fabric, resume=config.resume)
 
     dataset = load_images(config.dataset, config.data_root, config.image_size, download=config.download)
     loader = make_loader(dataset, config.batch_size, config.seed, config.num_workers, rank, world_size,

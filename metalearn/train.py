@@ -26,7 +26,7 @@ def main(config: Config) -> dict:
     fabric.launch()
     rank, world_size, device = fabric.global_rank, fabric.world_size, fabric.device
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out, "metalearn", write=rank == 0, broadcast=fabric.broadcast, resume=config.resume)
+    run = RunDir(config.out, "metalearn", write=rank == 0, collectives=fabric, resume=config.resume)
 
     tasks = make_tasks(config.dataset, config.ways, True, config.data_root, config.download)
     test_tasks = make_tasks(config.dataset, config.ways, False, config.data_root, config.download)

@@ -24,6 +24,22 @@ def Fabric(request):
     return lightning.Fabric
 
 
+class OnlyIter(DataLoader):
+    """A subclass with DataLoader's own constructor."""
+
+    def __iter__(self):
+        return (batch + 1 for batch in super().__iter__())
+
+
+def _only_iter_batches(fabric):
+    return [batch.tolist() for batch in fabric.setup_dataloaders(OnlyIter(torch.arange(6), batch_size=2))]
+
+
+@pytest.mark.multiprocess
+def test_a_dataloader_subclass_without_its_own_init_is_sharded_too(Fabric):
+    assert Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_only_iter_batches) == [[1, 3], [5]]
+
+
 class Scaled(DataLoader):
     """A DataLoader subclass with an argument of its own and its own __iter__."""
 
@@ -62,8 +78,10 @@ class MakesATensor(nn.Module):
     def __init__(self):
         super().__init__()
         self.linear = nn.Linear(2, 2)
+        self.dtype_inside = None
 
     def forward(self, x):
+        self.dtype_inside = torch.get_default_dtype()
         return self.linear(x) + torch.ones(2)  # created in forward: in the default dtype
 
 
@@ -77,6 +95,7 @@ def test_true_precisions_set_the_default_dtype_inside_and_return_float32(Fabric,
     with fabric.init_tensor():
         assert torch.ones(1).dtype == dtype
     output = fabric.setup(module)(torch.ones(3, 2))
+    assert module.dtype_inside == dtype
     assert output.dtype == torch.float32 and torch.get_default_dtype() == torch.float32
 
 
@@ -202,6 +221,23 @@ def test_a_callback_whose_signature_cannot_be_read_gets_every_argument(Fabric):
 def test_lightnings_strategy_names_are_known(Fabric, name):
     fabric = Fabric(accelerator="cpu", strategy=name, devices=1 if name == "dp" else 2)
     assert fabric.world_size == (1 if name == "dp" else 2)
+
+
+def test_lightnings_strategy_names_mean_what_they_say():
+    strategy = lambda name, devices=2: core.Fabric(accelerator="cpu", strategy=name, devices=devices).strategy  # noqa
+    assert strategy("ddp_fork").start_method == strategy("ddp_notebook").start_method == "fork"
+    assert strategy("ddp_spawn").start_method == "spawn"
+    assert strategy("ddp_find_unused_parameters_true").options == {"find_unused_parameters": True}
+    assert isinstance(strategy("dp", 1), core.strategies.DataParallel)
+
+
+def _rank_and_world(fabric):
+    return fabric.global_rank, fabric.world_size
+
+
+@pytest.mark.multiprocess
+def test_ddp_fork_starts_its_processes_by_fork():
+    assert core.Fabric(accelerator="cpu", strategy="ddp_fork", devices=2).launch(_rank_and_world) == (0, 2)
 
 
 def _setup_a_lightning_module(fabric):

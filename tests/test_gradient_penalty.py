@@ -68,7 +68,8 @@ def test_16_mixed_scales_the_outputs_and_unscales_the_input_gradient():
 @pytest.mark.parametrize("strategy, precision, reason", [
     ("deepspeed_stage_3", "32-true", "ZeRO-3's partitioned parameters fail"),
     ("deepspeed_stage_2", "32-true", "'contiguous_gradients': False"),
-    ("deepspeed_stage_1", "16-mixed", "use bf16-mixed or 32-true")])
+    ("deepspeed_stage_1", "16-mixed", "use bf16-mixed or 32-true"),
+    ("deepspeed_stage_1", "16-true", "use bf16-mixed or 32-true")])
 def test_deepspeed_refuses_what_its_engines_cannot_take_with_the_reason(strategy, precision, reason):
     pytest.importorskip("deepspeed")
     fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2, precision=precision)

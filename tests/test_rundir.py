@@ -117,27 +117,49 @@ def test_flags_that_change_no_computation_may_change_on_resume(tmp_path):
     assert {"logger", "sample_every", "eval_samples", "eval_tasks", "eval_queries"} <= RESUMABLE_CHANGES
 
 
-def test_a_process_that_sees_another_checkpoint_than_rank_0_stops(tmp_path):
+class Ranks:
+    """Collectives as one rank of a run sees them: rank 0's broadcasts (scripted, or this rank's own values when
+    it is rank 0), and all_reduce(min) with the other ranks' answer (one for all, or a list, one per call)."""
+
+    def __init__(self, broadcasts=None, others=True):
+        self.broadcasts = None if broadcasts is None else iter(broadcasts)
+        self.others = iter(others) if isinstance(others, list) else None
+        self.always = others
+
+    def broadcast(self, value):
+        return value if self.broadcasts is None else next(self.broadcasts)
+
+    def all_reduce(self, tensor, reduce_op):
+        assert reduce_op == "min"
+        others = next(self.others) if self.others is not None else self.always
+        return torch.minimum(tensor, torch.tensor(int(others)))
+
+
+def test_ranks_that_find_different_checkpoints_all_stop(tmp_path):
     """Each process resolves --resume auto itself; one on a node that does not see rank 0's checkpoint (a
-    node-local --out) must not start afresh beside ranks that resume. (Broadcasts: the path, rank 0's marker
-    and a meeting, then the checkpoint to resume.)"""
+    node-local --out) must not start afresh beside ranks that resume, and the others stop with it. (Broadcasts:
+    the path, rank 0's marker, then the checkpoint to resume.)"""
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / ".rank-0-host-1-2").touch()
-    rank_0 = iter([str(tmp_path / "run"), "host-1-2", None, str(tmp_path / "run" / "checkpoints" / "last.ckpt")])
-    with pytest.raises(ValueError, match="the run directory must be on a filesystem every node sees"):
-        RunDir(str(tmp_path / "run"), "gan", write=False, broadcast=lambda value: next(rank_0), resume="")
-    agreed = iter([str(tmp_path / "run"), "host-1-2", None, ""])
-    RunDir(str(tmp_path / "run"), "gan", write=False, broadcast=lambda value: next(agreed), resume="")
+    last = str(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    with pytest.raises(ValueError, match="different checkpoints .* every node sees"):
+        RunDir(str(tmp_path / "run"), "gan", write=False, collectives=Ranks([str(tmp_path / "run"), "host-1-2", last]))
+    with pytest.raises(ValueError, match="different checkpoints"):  # rank 0, whose resume another rank does not share
+        RunDir(str(tmp_path / "run"), "gan", write=True, collectives=Ranks(others=[True, False]), resume=last)
+    RunDir(str(tmp_path / "run"), "gan", write=False, collectives=Ranks([str(tmp_path / "run"), "host-1-2", ""]))
 
 
-def test_a_process_that_does_not_see_rank_0s_run_directory_stops(tmp_path):
-    """Rank 0's marker is on another node's disk: this rank stops at once, naming the requirement; rank 0 itself
-    leaves no marker behind, and no --out it created for the check."""
-    rank_0 = iter([str(tmp_path / "run"), "node0-1-2", None])
-    with pytest.raises(ValueError, match=r"does not see the run directory .*\(on host node0\).* every node sees"):
-        RunDir(str(tmp_path / "run"), "gan", write=False, broadcast=lambda value: next(rank_0))
-    RunDir(str(tmp_path / "out"), "gan", write=True, broadcast=lambda value: value)
+def test_a_run_directory_that_one_rank_does_not_see_stops_every_rank(tmp_path):
+    """Rank 0's marker is on another node's disk: that rank stops at once, naming the requirement and rank 0's
+    host (a hostname with hyphens kept whole); rank 0 stops too, leaving no marker and no --out it created."""
+    with pytest.raises(ValueError, match=r"this process does not see the run directory .*\(on host gpu-node-01\)"):
+        RunDir(str(tmp_path / "run"), "gan", write=False, collectives=Ranks([str(tmp_path / "run"), "gpu-node-01-1-2"],
+                                                                            others=False))
+    with pytest.raises(ValueError, match="another node's process does not see .* every node sees"):
+        RunDir(str(tmp_path / "out"), "gan", write=True, collectives=Ranks(others=False))
     assert not (tmp_path / "out").exists()
+    RunDir(str(tmp_path / "out"), "gan", write=True, collectives=Ranks())
+    assert not (tmp_path / "out").exists()  # it appears with the run's first file
 
 
 def test_default_run_directories_never_collide(tmp_path, monkeypatch):
