@@ -3,7 +3,7 @@
     fabric = Fabric(strategy="ddp", devices=2, precision="bf16-mixed")
     fabric.launch()
     generator, optimizer_g = fabric.setup(generator, optimizer_g)
-    discriminator, optimizer_d = fabric.setup(discriminator, optimizer_d, broadcast_buffers=False)
+    discriminator, optimizer_d = fabric.setup(discriminator, optimizer_d, ddp={"broadcast_buffers": False})
     loader = fabric.setup_dataloaders(loader)
     fabric.backward(loss)
 """
