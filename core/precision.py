@@ -142,8 +142,8 @@ class Float16Mixed(BFloat16Mixed):
     name = "16-mixed"
     dtype = torch.float16
 
-    def add_optimizer(self, optimizer) -> None:
-        self.scalers[id(optimizer)] = torch.amp.GradScaler(self.device_type)
+    def add_optimizer(self, optimizer) -> None:  # (set up again: it keeps its scale)
+        self.scalers.setdefault(id(optimizer), torch.amp.GradScaler(self.device_type))
 
     def fsdp_policy(self):
         raise ValueError("precision='16-mixed' is not supported with strategy='fsdp' (it would need a sharded loss "

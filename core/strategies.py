@@ -218,7 +218,7 @@ class DDP(SingleDevice):
 
     def barrier(self, timeout: float | None = None) -> None:
         """All ranks meet; `timeout` (seconds) bounds the wait where it is not the process group's."""
-        with self._named_timeout("barrier"):
+        with self._named_timeout("barrier", timeout):
             if timeout is None:
                 dist.barrier()
             else:  # gloo's barrier with its own bound (on CUDA the group has gloo beside nccl for this)
@@ -246,18 +246,20 @@ class DDP(SingleDevice):
         return box[0]
 
     @contextmanager
-    def _named_timeout(self, what: str):
-        """Turn the backend's timeout of a collective of core's into a TimeoutError that names the setting."""
+    def _named_timeout(self, what: str, seconds: float | None = None):
+        """Turn the backend's timeout of a collective of core's into a TimeoutError that names the setting
+        (`seconds`: a bound of the call's own instead of the collective timeout)."""
         try:
             yield
         except RuntimeError as error:
             if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
                 raise
-            raise TimeoutError(f"rank {self.global_rank} waited more than {self.timeout.total_seconds():g} s for "
-                               f"the other ranks in {what} (the collective timeout; raise it with "
-                               f"--collective-timeout SECONDS, or Fabric(timeout=...)): another rank is slower by "
-                               f"that much (long work on one rank, such as rank 0's evaluation) or is stuck") \
-                from error
+            setting = ("the collective timeout; raise it with --collective-timeout SECONDS, or Fabric(timeout=...)"
+                       if seconds is None else "this wait's own bound")
+            seconds = self.timeout.total_seconds() if seconds is None else seconds
+            raise TimeoutError(f"rank {self.global_rank} waited more than {seconds:g} s for the other ranks in {what} "
+                               f"({setting}): another rank is slower by that much (long work on one rank, such as "
+                               f"rank 0's evaluation) or is stuck") from error
 
     def teardown(self) -> None:
         if dist.is_initialized():
