@@ -305,7 +305,8 @@ class Fabric:
         `fabric.backward` then takes with the loss. Under 16-mixed the outputs are scaled by the model's loss
         scale and the gradients unscaled, so an overflow leaves inf in them and the scaler skips that step as it
         would for the loss; under fsdp the model's parameters stay gathered until its optimizer steps; DeepSpeed
-        refuses it. `model`: as for backward."""
+        ZeRO-1 and -2 take it (ZeRO-2 with contiguous_gradients off), ZeRO-3 and DeepSpeed's float16 modes refuse
+        it with the reason. `model`: as for backward."""
         module = model if model is not None else validation.module_of_loss(
             outputs if isinstance(outputs, torch.Tensor) else outputs[0], self._modules)
         optimizers = [wrapped.optimizer for wrapped in self._optimizers_of.get(id(module), [])]
