@@ -8,9 +8,9 @@
 torch.optim.swa_utils.AveragedModel deep-copies the module, which a sharded one cannot be. This keeps a
 float32 copy of each parameter's local storage instead, as the module's `parameter_shares` says what that is
 (`WholeParameters` below when it has none: plain PyTorch, single, ddp, ZeRO 1 and 2, where every process
-holds the parameter whole, and fsdp, whose DTensor parameters shard themselves, so the copy is sharded like
-the parameter and the checkpoint saves it sharded; core gives a module set up under ZeRO-3 its own, which
-reads the partition each process holds). Floating-point buffers (BatchNorm's running statistics) are
+holds the parameter whole; core gives modules set up under a sharding strategy their own: under fsdp the
+parameters shard themselves, so the copy is sharded like them and the checkpoint saves it sharded; under
+ZeRO-3 it reads the partition each process holds). Floating-point buffers (BatchNorm's running statistics) are
 averaged with the weights, as `AveragedModel(use_buffers=True)` does: the average generator in eval mode
 then normalises with statistics of about the same weights (with the raw module's statistics, a digits run
 scored FID 2.51 against 1.06 raw). Other buffers (the batch counter) stay the module's.
@@ -24,9 +24,8 @@ import torch
 
 
 class WholeParameters:
-    """What a process holds of each parameter when it holds it whole (or as a DTensor that shards itself).
-    A strategy that partitions parameters outside the tensor gives its set-up modules a `parameter_shares`
-    object with these four methods."""
+    """What a process holds of each parameter when it holds it whole. A strategy that shards parameters gives
+    its set-up modules a `parameter_shares` object with these five methods (core's fsdp and ZeRO-3)."""
 
     def local(self, param: torch.Tensor) -> torch.Tensor:
         """The storage this process holds of `param`, written in place to change the parameter."""
@@ -42,6 +41,10 @@ class WholeParameters:
 
     def written(self, params: list) -> None:
         """After the local storages of `params` were written: bring the parameters up to date."""
+
+    def finite(self, param: torch.Tensor) -> bool:
+        """True when this process's share of `param` holds no NaN or infinity (read locally: no collective)."""
+        return bool(param.detach().isfinite().all())
 
 
 def shares_of(module) -> WholeParameters:
@@ -98,7 +101,8 @@ class EMA:
         self.shares.written(list(self.params.values()))
 
     def state_dict(self) -> dict:
-        """{name: average}: full tensors of the parameter's shape, or DTensors under fsdp (checkpointed sharded)."""
+        """{name: average}: full tensors of the parameter's shape, or sharded like the parameters under fsdp (and
+        checkpointed sharded)."""
         state = {name: self.shares.full(self.params[name], average) for name, average in self.averages.items()}
         return {**state, "updates": self.updates} if self.averages else state
 

@@ -1,9 +1,10 @@
 """The plain scripts' checkpoint: the state dicts of their (DDP-unwrapped) models and optimizers and plain
 values in one file, which also reads the one-file checkpoints of the wrapped scripts."""
-import os
 from pathlib import Path
 
 import torch
+
+from common.files import atomic_write
 
 
 def save_plain(path: Path, state: dict) -> None:
@@ -11,9 +12,7 @@ def save_plain(path: Path, state: dict) -> None:
     values, written to a temporary file and renamed, so a crash mid-write keeps the previous checkpoint."""
     data = {key: getattr(value, "module", value).state_dict() if hasattr(value, "state_dict") else value
             for key, value in state.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(data, f"{path}.tmp")
-    os.replace(f"{path}.tmp", path)
+    atomic_write(path, lambda f: torch.save(data, f))
 
 
 def load_plain(path: Path, state: dict, device) -> None:
@@ -26,14 +25,16 @@ def load_plain(path: Path, state: dict, device) -> None:
                          f"scripts do not read. Make one file of it first: python -m core.convert {path} plain.ckpt, "
                          f"then --resume plain.ckpt")
     saved = torch.load(path, map_location=device, weights_only=True)
-    if saved.get("format") == "core-checkpoint":  # written by a wrapped script's fabric.save
-        saved = saved["state"]
+    missing = [key for key in state if key not in saved]
+    if missing:
+        raise ValueError(f"--resume {path} holds no {', '.join(missing)}: not a checkpoint of this workload, or one "
+                         f"written by an older version of the wrapped script; make one file of it with "
+                         f"python -m core.convert {path} plain.ckpt, then --resume plain.ckpt")
     for key, value in state.items():
         if not hasattr(value, "load_state_dict"):
             state[key] = saved[key]
         elif isinstance(value, torch.optim.Optimizer):
-            entry = saved[key].get("optimizer", saved[key])  # a wrapped run's entry also holds its loss scale
-            value.load_state_dict(positional_optimizer_state(entry))
+            value.load_state_dict(positional_optimizer_state(saved[key]))
         else:
             getattr(value, "module", value).load_state_dict(saved[key])
 

@@ -142,9 +142,7 @@ def check_weights(state: dict, step: int, checkpoint: Path) -> None:
     for name, value in state.items():
         shares = shares_of(value)
         for param in getattr(value, "parameters", lambda: ())():
-            local = shares.local(param)
-            local = local.to_local() if hasattr(local, "to_local") else local  # a DTensor's shard: no collective
-            if not bool(local.detach().isfinite().all()):
+            if not shares.finite(param):
                 raise FloatingPointError(f"{name} has non-finite weights after step {step}; stopping without "
                                          f"saving. {_last_good(checkpoint)}")
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from common.files import atomic_write
+
 # Fields that do not change what is trained: they may differ between a run and its resume. Every other
 # field given on a resume's command line must equal the run's (check_resume_config).
 RESUMABLE_CHANGES = {"out", "resume", "max_steps", "checkpoint_every", "log_every", "num_workers", "data_root",
@@ -42,16 +44,17 @@ def resolve_run(config, workload: str | None = None) -> None:
     input raises ValueError with one line that says what to pass instead."""
     out = Path(config.out) if config.out else None
     auto = config.resume == "auto"
+    recover = getattr(config, "recover_checkpoint", None)  # the wrapped scripts' (core's flags)
     if auto:
         if out is None:
             raise ValueError("--resume auto continues the run in --out, so it needs one: pass --out DIR, the same "
                              "on every restart")
-        found = latest_checkpoint(out)
+        found = latest_checkpoint(out, recover)
         if found is None:
             _say(f"--resume auto: no checkpoint in {out} yet; starting the run there")
         config.resume = str(found) if found else ""
     elif config.resume:
-        checkpoint = resume_path(config.resume)
+        checkpoint = resume_path(config.resume, recover)
         source = run_of(checkpoint)
         if out is None and source is None:
             raise ValueError(f"--resume {config.resume}: this checkpoint is not inside a run directory "
@@ -78,24 +81,25 @@ def resolve_run(config, workload: str | None = None) -> None:
         check_resume_config(Path(config.resume), config)
 
 
-def latest_checkpoint(out: Path) -> Path | None:
+def latest_checkpoint(out: Path, recover=None) -> Path | None:
     """The checkpoint a run in `out` would continue from, or None when it has none yet."""
     try:
-        return resume_path(str(out)) if (out / "checkpoints").is_dir() else None
+        return resume_path(str(out), recover) if (out / "checkpoints").is_dir() else None
     except ValueError:
         return None
 
 
-def resume_path(resume: str) -> Path:
-    """`--resume` takes a run directory or a checkpoint: a file, or a directory (fsdp and DeepSpeed write those)."""
+def resume_path(resume: str, recover=None) -> Path:
+    """`--resume` takes a run directory or a checkpoint: a file, or a directory (fsdp and DeepSpeed write those).
+    `recover(path)`, where the script's saving has one (the wrapped scripts: core's), first puts back a checkpoint
+    that a save interrupted mid-way left elsewhere."""
     path = Path(resume)
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints" / LAST
     elif path.name == "checkpoints" and path.is_dir():  # RUN/checkpoints: its newest
         path = path / LAST
-    previous = path.with_name(f".{path.name}.old")  # a sharded save killed between its two renames
-    if not path.exists() and previous.exists():
-        return previous
+    if recover is not None:
+        recover(path)
     if not path.exists():
         raise ValueError(f"--resume {resume}: no checkpoint at {path}")
     return path
@@ -270,9 +274,7 @@ class RunDir:
     def write_json(self, name: str, data: dict) -> None:
         if self.write:
             self._create()
-            tmp = self.path / f".{name}.tmp"
-            tmp.write_text(json.dumps(data, indent=2) + "\n")
-            os.replace(tmp, self.path / name)
+            atomic_write(self.path / name, lambda f: f.write(json.dumps(data, indent=2) + "\n"), mode="w")
 
     def metrics(self) -> list[dict]:
         path = self.path / "metrics.jsonl"

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from core import launcher
+from core import checkpoint, launcher
 from core.precision import PRECISIONS
-from core.strategies import LIGHTNING_NAMES, STRATEGIES, SingleDevice
-from core.validation import ACCELERATORS, check_installed, device_kind, resolve_arguments
+from core.strategies import LIGHTNING_NAMES, STRATEGIES, SingleDevice, check_installed
+from core.validation import ACCELERATORS, device_kind, resolve_arguments
 
 # ddp_spawn runs a function in new processes (fabric.launch(fn)); the scripts run top to bottom after a
 # plain fabric.launch(), which re-runs the command for the other ranks, so the flag does not offer it, nor
@@ -64,6 +64,11 @@ class FabricFlags:
             except ImportError:
                 raise ValueError("--logger tensorboard needs the tensorboard package: pip install -e "
                                  "'.[tensorboard]', or use --logger csv") from None
+
+    @staticmethod
+    def recover_checkpoint(path) -> None:
+        """Before a resume looks for `path`: put back a checkpoint directory whose replacement was interrupted."""
+        checkpoint.recover(Path(path))
 
     def on_failure(self) -> None:
         """Called by the CLI before it exits with an error: this rank's exit must not wait for the others."""

@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader
 from core import checkpoint, launcher, validation
 from core.precision import map_nested, make_precision
 from core.seed import WorkerSeeder, global_seed, seed_everything, seed_workers
-from core.strategies import SingleDevice, frozen_parameters, make_strategy
+from core.strategies import SingleDevice, make_strategy
 from core.wrappers import (FabricDataLoader, FabricModule, FabricOptimizer, BackwardState, compile_like, move_to,
-                           SkipInit, rebuild_loader, shard_loader, unwrap_compiled, wrap_optimizer)
+                           SkipInit, frozen_parameters, rebuild_loader, shard_loader, unwrap_compiled, wrap_optimizer)
 
 class Fabric:
     """Moves models to the device, applies precision, wraps them for a strategy and wraps their optimizers.
@@ -251,12 +251,12 @@ class Fabric:
         self._set_up_optimizers.add(optimizer)
         self._precision.add_optimizer(optimizer)
         strategy, precision = self._strategy, self._precision
-        self._plain_backward = self._plain_backward and not precision.scalers
+        self._plain_backward = self._plain_backward and not precision.steps_through_scaler(optimizer)
         self._backward.required = not self._plain_backward
         callbacks = self._callbacks  # may grow: a LightningModule set up later becomes one
         may_have_hooks = bool(callbacks) or hasattr(module.module, "_fabric")
-        if type(strategy).optimizer_step is SingleDevice.optimizer_step and id(optimizer) not in precision.scalers \
-                and not may_have_hooks:
+        plain_step = type(strategy).optimizer_step is SingleDevice.optimizer_step
+        if plain_step and not precision.steps_through_scaler(optimizer) and not may_have_hooks:
             step = optimizer.step  # nothing to add on the way
         else:
             def step(closure=None):
@@ -285,18 +285,11 @@ class Fabric:
             self._backward.active = False
 
     def _backward_through_strategy(self, tensor, args, kwargs, model) -> None:
-        needs_owner = self._strategy.backward_needs_module or len(self._precision.scalers) > 1
-        if not needs_owner:
-            if self._precision.scalers:
-                tensor = self._precision.scale_loss(tensor, next(iter(self._precision.scalers)))
-            return self._strategy.backward(tensor, model, *args, **kwargs)
-        module = model if model is not None else validation.module_of_loss(tensor, self._modules)
-        if self._precision.scalers:
-            optimizers = self._optimizers_of.get(id(module), [])
-            if len(optimizers) != 1:
-                raise ValueError(f"16-mixed keeps one loss scale per optimizer, and the model this loss is for has "
-                                 f"{len(optimizers)} optimizers; set up one optimizer per model under 16-mixed.")
-            tensor = self._precision.scale_loss(tensor, id(optimizers[0].optimizer))
+        module = model
+        if module is None and (self._strategy.backward_needs_module or self._precision.needs_loss_owner()):
+            module = validation.module_of_loss(tensor, self._modules)
+        optimizers = None if module is None else [o.optimizer for o in self._optimizers_of.get(id(module), [])]
+        tensor = self._precision.scale_loss(tensor, optimizers)
         return self._strategy.backward(tensor, module, *args, **kwargs)
 
     def grad(self, outputs, inputs, grad_outputs=None, create_graph: bool = True, model: FabricModule | None = None):
@@ -312,22 +305,11 @@ class Fabric:
         optimizers = [wrapped.optimizer for wrapped in self._optimizers_of.get(id(module), [])]
         if create_graph:  # a backward through the gradient follows
             self._strategy.keep_for_second_backward(module, optimizers)
-        scaler = None
-        if self._precision.scalers:
-            if len(optimizers) != 1:
-                raise ValueError(f"16-mixed keeps one loss scale per optimizer, and the model these outputs come "
-                                 f"from has {len(optimizers)} optimizers; set up one optimizer per model.")
-            scaler = self._precision.scalers[id(optimizers[0])]
-            outputs = map_nested(outputs, scaler.scale)
         self._backward.active = True  # the outputs' guard would take this for a bare loss.backward()
         try:
-            grads = torch.autograd.grad(outputs, inputs, grad_outputs=grad_outputs, create_graph=create_graph)
+            return self._precision.input_gradients(outputs, inputs, grad_outputs, create_graph, optimizers)
         finally:
             self._backward.active = False
-        if scaler is not None:
-            scale = scaler.get_scale()
-            grads = tuple(g / scale if g is not None else None for g in grads)
-        return grads
 
     def clip_gradients(self, module: FabricModule, optimizer: FabricOptimizer, clip_val=None, max_norm=None,
                        norm_type: float = 2.0, error_if_nonfinite: bool = True):

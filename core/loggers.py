@@ -11,6 +11,8 @@ import csv
 import os
 from pathlib import Path
 
+from core.checkpoint.files import atomic_write
+
 
 def _is_rank_zero() -> bool:
     import torch.distributed as dist
@@ -58,12 +60,11 @@ class CSVLogger:
             with open(self.path, "a", newline="") as f:
                 csv.DictWriter(f, fieldnames=self._columns).writerows(self._rows[self._written:])
         else:
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            with open(tmp, "w", newline="") as f:
+            def write(f):
                 writer = csv.DictWriter(f, fieldnames=self._columns)
                 writer.writeheader()
                 writer.writerows(self._rows)
-            os.replace(tmp, self.path)
+            atomic_write(self.path, write, mode="w")
             self._written_columns = list(self._columns)
         self._written = len(self._rows)
 

@@ -1,12 +1,11 @@
 """The checks behind Fabric's error messages: each says what was wrong and what to do instead."""
-import importlib
-import logging
 import os
-import warnings
 
 import torch
 from torch import nn
 
+from core import launcher
+from core.strategies import STRATEGIES, check_installed
 from core.wrappers import FabricModule, FabricOptimizer
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
@@ -16,38 +15,6 @@ def device_kind(accelerator: str) -> str:
     """'cuda' or 'cpu' for an accelerator name ('auto': cuda when torch sees a GPU)."""
     return "cuda" if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available()) \
         else "cpu"
-
-
-def check_installed(strategy: str, device_type: str) -> None:
-    """DeepSpeed is an optional extra: when it is missing, say so once, before any process is started.
-    When it is there, quiet what it brings that no user can act on."""
-    if not strategy.startswith("deepspeed"):
-        return
-    # DeepSpeed picks its accelerator on import (once per process), and warns when it falls back to the CPU by
-    # itself: DS_ACCELERATOR names it for the import only, so that it does not reach the user's subprocesses
-    added = "DS_ACCELERATOR" not in os.environ
-    os.environ.setdefault("DS_ACCELERATOR", device_type)
-    # DeepSpeed imports torch.utils.cpp_extension, which on a machine without CUDA logs "No CUDA runtime is
-    # found" once per process: nothing to act on when running on CPU.
-    build_log = logging.getLogger("torch.utils.cpp_extension")
-    level = build_log.level
-    if not torch.cuda.is_available():
-        build_log.setLevel(logging.ERROR)
-    try:
-        importlib.import_module("torch.utils.cpp_extension")
-        import deepspeed  # noqa: F401
-    except ImportError as error:
-        raise ModuleNotFoundError(f"strategy {strategy!r} needs DeepSpeed, which cannot be imported ({error}); "
-                                  f"install it with pip install -e '.[deepspeed]', or choose ddp or fsdp",
-                                  name="deepspeed") from None
-    finally:
-        build_log.setLevel(level)
-        if added:
-            del os.environ["DS_ACCELERATOR"]
-    # ZeRO calls torch collectives that torch 2.14 deprecates, and the warning comes back on every call
-    # (242 lines in 30 GAN steps at stage 3): DeepSpeed's to change, not the user's.
-    deprecated = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
-    warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
 
 
 def check_devices(devices, kind: str, env: dict | None) -> int:
@@ -152,9 +119,6 @@ def accepted_kwargs(method, kwargs: dict) -> dict:
 def resolve_arguments(accelerator, strategy, devices, num_nodes, precision, plugins):
     """Fabric's arguments checked, with their values from `fabric run` or the defaults where not given, and
     `auto` resolved: (accelerator, strategy, devices, num_nodes, precision, the launcher's environment)."""
-    from core import launcher
-    from core.strategies import STRATEGIES
-
     accelerator = launcher.from_cli("accelerator", accelerator, "auto")
     strategy = launcher.from_cli("strategy", strategy, "auto")
     devices = launcher.from_cli("devices", devices, "auto")

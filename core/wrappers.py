@@ -5,6 +5,7 @@ of the original module, and stepping the optimizer is stepping the original opti
 """
 import inspect
 import weakref
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -182,11 +183,35 @@ class _SubmoduleGuard:
 
 
 class FabricOptimizer:
-    """Mixed into a subclass of the original optimizer's class, so `isinstance(opt, type(original))`
-    holds; the instance shares the original's `param_groups` and `state`, it does not copy them."""
+    """The user's optimizer, by delegation: mixed into a subclass of the optimizer's class, so that
+    `isinstance(opt, type(original))` holds and the class's methods run, but every attribute an instance holds
+    (`param_groups`, `state`, `defaults`, hooks) is read from and written to the original; the wrapper holds only
+    the original and its own `step`. Nothing is copied, so nothing goes stale (`load_state_dict` rebinds the
+    original's `state`)."""
+
+    _own = frozenset({"_optimizer", "step"})  # what the wrapper itself holds; all else is the original's
 
     def __init__(self):  # never called: instances are made by wrap_optimizer
         raise TypeError("use Fabric.setup_optimizers to wrap an optimizer")
+
+    def __getattr__(self, name):  # only for what neither the instance nor the class has
+        try:
+            original = self.__dict__["_optimizer"]
+        except KeyError:  # not made by wrap_optimizer (being unpickled)
+            raise AttributeError(name) from None
+        return getattr(original, name)
+
+    def __setattr__(self, name, value):
+        if name in self._own:
+            self.__dict__[name] = value
+        else:
+            setattr(self.__dict__["_optimizer"], name, value)
+
+    def __delattr__(self, name):
+        if name in self._own:
+            del self.__dict__[name]
+        else:
+            delattr(self.__dict__["_optimizer"], name)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -195,16 +220,23 @@ class FabricOptimizer:
     def step(self, closure=None):  # shadowed per instance by wrap_optimizer; here for the class's interface
         return self.__dict__["step"](closure) if closure is not None else self.__dict__["step"]()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none)
+
     def state_dict(self):
         return self._optimizer.state_dict()
 
     def load_state_dict(self, state_dict):
         self._optimizer.load_state_dict(state_dict)
-        self.__dict__["state"] = self._optimizer.state  # load_state_dict rebinds these on the original
-        self.__dict__["param_groups"] = self._optimizer.param_groups
 
     def add_param_group(self, param_group):
         self._optimizer.add_param_group(param_group)
+
+    def __getstate__(self):
+        return self.__dict__
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
 
     def __repr__(self):
         return f"Fabric{self._optimizer!r}"
@@ -216,15 +248,13 @@ _optimizer_classes: dict[type, type] = {}
 def wrap_optimizer(optimizer: torch.optim.Optimizer, step) -> FabricOptimizer:
     """Return a FabricOptimizer whose `step(closure)` calls `step`; `optimizer` itself is untouched.
     `step` is stored on the instance, so `wrapped.step()` is one call of it (the original's own bound
-    `step` on the fast path); zero_grad and the rest are the original class's, on the shared state."""
+    `step` on the fast path)."""
     cls = type(optimizer)
     wrapped_cls = _optimizer_classes.get(cls)
     if wrapped_cls is None:
         wrapped_cls = _optimizer_classes[cls] = type(f"Fabric{cls.__name__}", (FabricOptimizer, cls), {})
     wrapped = wrapped_cls.__new__(wrapped_cls)
-    wrapped.__dict__.update(optimizer.__dict__)
-    wrapped.__dict__["_optimizer"] = optimizer
-    wrapped.__dict__["step"] = step
+    wrapped.__dict__.update(_optimizer=optimizer, step=step)
     return wrapped
 
 
@@ -392,3 +422,16 @@ def move_to(obj, device: torch.device):
     non_blocking = device.type == "cuda"
     return map_nested(obj, lambda leaf: leaf.to(device, non_blocking=non_blocking)
                       if isinstance(leaf, (torch.Tensor, nn.Module)) else leaf)
+
+
+@contextmanager
+def frozen_parameters(modules):
+    """Turn off requires_grad on every parameter of `modules` that has it, and restore it after."""
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from common.files import atomic_write
+
 
 class Classifier(nn.Module):
     """A small CNN for (C, S, S) images in [-1, 1]. Calling it gives the 128-d penultimate layer divided
@@ -67,10 +69,7 @@ def train_classifier(train_set, dataset: str, image_size: int, epochs: int = 15,
         features = torch.cat([model.body(images) for images, _ in DataLoader(train_set, batch_size=256)])
         model.feature_scale.fill_(features.pow(2).mean().sqrt())
     if cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save(model.state_dict(), tmp)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: torch.save(model.state_dict(), f))
     return model.eval()
 
 

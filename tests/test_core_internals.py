@@ -152,6 +152,46 @@ def test_a_precision_added_through_the_registry(monkeypatch):
         fabric._precision.deepspeed_config()
 
 
+class StaticLossScale(precisions.Precision):
+    """A toy mode that owns a loss scale, as 16-mixed owns its scalers: the loss times 1024 in backward, the
+    gradients divided back before the optimizer steps. Fabric only hands it the loss and the optimizer."""
+    name, passthrough = "static-scale", False
+
+    def steps_through_scaler(self, optimizer) -> bool:
+        return True
+
+    def scale_loss(self, loss, optimizers=None):
+        return loss * 1024
+
+    def optimizer_step(self, optimizer, **kwargs):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad /= 1024
+        return optimizer.step(**kwargs)
+
+
+def test_a_precision_that_scales_the_loss_trains_as_plain_sgd(monkeypatch):
+    monkeypatch.setattr(precisions, "PRECISIONS", dict(precisions.PRECISIONS))
+    precisions.register_precision("static-scale", StaticLossScale)
+    fabric = Fabric(accelerator="cpu", precision="static-scale")
+    model, plain = Net(), Net()
+    plain.load_state_dict(model.state_dict())
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    plain_grads = []
+    for net, opt, backward in ((plain, plain_optimizer, torch.Tensor.backward), (model, optimizer, fabric.backward)):
+        for step in range(2):
+            opt.zero_grad()
+            backward(F.mse_loss(net(x), y))
+            if net is plain:
+                plain_grads.append(plain.head.weight.grad.clone())
+            else:  # the scaled loss's gradient, unscaled again by the mode's own optimizer_step
+                assert torch.equal(model.module.head.weight.grad, 1024 * plain_grads[step])
+            opt.step()
+    assert torch.equal(model.module.head.weight, plain.head.weight)  # a power of two: exact
+
+
 class CountingSteps(strategies.SingleDevice):
     """A toy strategy: the single-device one that counts optimizer steps."""
 
@@ -194,7 +234,7 @@ def test_each_rank_finds_its_gpu_also_when_it_sees_only_its_own(monkeypatch):
     """cuda:LOCAL_RANK where a rank sees every GPU of its node; cuda:0 where CUDA_VISIBLE_DEVICES shows each
     rank one GPU (LOCAL_RANK then exceeds the visible devices); more ranks than GPUs is refused, saying what
     to do. (The device count is simulated: this runs on machines without a GPU.)"""
-    from core.strategies import cuda_index
+    from core.strategies.ddp import cuda_index
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert [cuda_index(rank) for rank in range(4)] == [0, 1, 2, 3]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -67,6 +67,7 @@ def test_clip_gradients_says_what_to_set():
 
 def test_resume_takes_a_run_directory_or_a_checkpoint_directory(tmp_path):
     from common.rundir import resume_path
+    from core.cli import FabricFlags
 
     checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"  # what DeepSpeed's fabric.save writes
     checkpoint.mkdir(parents=True)
@@ -75,8 +76,10 @@ def test_resume_takes_a_run_directory_or_a_checkpoint_directory(tmp_path):
     assert resume_path(str(checkpoint)) == checkpoint
     previous = checkpoint.with_name(".last.ckpt.old")  # killed between the save's two renames
     checkpoint.rename(previous)
-    assert resume_path(str(tmp_path / "run")) == previous
-    previous.rename(checkpoint)
+    with pytest.raises(ValueError, match="no checkpoint at"):  # the plain scripts' saving leaves no such folder
+        resume_path(str(tmp_path / "run"))
+    assert resume_path(str(tmp_path / "run"), FabricFlags.recover_checkpoint) == checkpoint  # the wrapped ones'
+    assert (checkpoint / "state.pt").exists() and not previous.exists()
     with pytest.raises(ValueError, match="no checkpoint at"):
         resume_path(str(tmp_path / "elsewhere"))
 

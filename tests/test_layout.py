@@ -152,3 +152,42 @@ def test_the_workload_readmes_state_the_registrys_quality_targets(workload):
     registry = {(q.target.split()[0], q.target.split()[1].rstrip(".")) for q in WORKLOADS[workload].quality}
     assert {(op, value.rstrip(".")) for op, value in stated} <= registry, (stated, registry)
 
+
+
+# core's layers, bottom up: a module imports only from its own layer or the ones below (the longest name that
+# prefixes a module places it). Adding a strategy or a precision touches its own file and its table's line.
+CORE_LAYERS = [
+    ["core.seed", "core.checkpoint.files", "core.precision", "core.loggers"],  # leaves (loggers write with files')
+    ["core.wrappers"],  # what setup hands back: FabricModule, FabricOptimizer, FabricDataLoader
+    ["core.checkpoint"],  # the formats behind one table (one file, sharded, DeepSpeed)
+    ["core.launcher"],  # starting, watching and ending the processes
+    ["core.strategies"],  # one class per file behind STRATEGIES
+    ["core.validation"],  # the checks behind Fabric's errors
+    ["core.fabric"],
+    ["core", "core.cli", "core.convert"],  # the entry points
+]
+
+
+def core_layer(module: str) -> int:
+    matches = [(len(prefix), level) for level, prefixes in enumerate(CORE_LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is in no layer of CORE_LAYERS: add it there"
+    return max(matches)[1]
+
+
+def test_core_imports_only_from_its_own_layer_or_below():
+    graph = module_graph()
+    upward = [f"{name} -> {target}" for name, targets in graph.items() if name.split(".")[0] == "core"
+              for target in targets if core_layer(target) > core_layer(name)]
+    assert not upward, f"imports from a higher layer of core: {upward}"
+
+
+def test_no_strategy_internals_outside_core():
+    """What a process holds of a sharded parameter is the strategy's to say (its `parameter_shares`): common/ and
+    the workloads never read ZeRO's or DTensor's internals, nor core's file conventions."""
+    internals = re.compile(r"ds_tensor|ds_numel|ds_shape|\.partition\(|to_local|full_tensor|DTensor|"
+                           r"core-checkpoint|_core_checkpoint|\.old\b|state\.pt")
+    for top in ("common", *BUDGETS):
+        for path in (ROOT / top).rglob("*.py"):
+            found = [line.strip() for line in path.read_text().splitlines() if internals.search(line.split("#")[0])]
+            assert not found, f"{path.relative_to(ROOT)}: {found}"

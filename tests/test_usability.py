@@ -40,7 +40,7 @@ THREADS_PROBE = textwrap.dedent("""
 
 
 def test_threads_per_process_share_the_cores_unless_omp_num_threads_says(monkeypatch, capsys):
-    monkeypatch.setattr(launcher, "_usable_cores", lambda: 8)
+    monkeypatch.setattr(launcher.environment, "_usable_cores", lambda: 8)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert launcher.threads_per_process(2) == 4 and launcher.threads_per_process(16) == 1
     assert capsys.readouterr().err.count("Set OMP_NUM_THREADS") == 2

@@ -44,16 +44,19 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, corrupt, foreign, unsafe, or not matching the run."""
 
 
-def atomic_save(obj, path) -> None:
+def atomic_write(path, write, mode: str = "wb") -> None:
+    """`write(f)` into a temporary file beside `path`, flushed to disk, then renamed over `path`: a reader (or a
+    later run) sees the old file or the new one, never a partial one, also after a crash mid-write. A directory
+    at `path` (a sharded or DeepSpeed checkpoint of the run's earlier strategy) is moved aside first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
+        with open(tmp, mode, **({} if "b" in mode else {"newline": ""})) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
-        if path.is_dir():  # a sharded or DeepSpeed checkpoint of this run's earlier strategy: moved aside first
+        if path.is_dir():
             replace_directory(tmp, path, 0, lambda: None)
         else:
             os.replace(tmp, path)
@@ -65,6 +68,16 @@ def atomic_save(obj, path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def atomic_save(obj, path) -> None:
+    """`torch.save(obj)` to `path` through atomic_write."""
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def staging(path: Path) -> Path:
+    """The temporary directory a checkpoint directory is written to before replace_directory moves it to `path`."""
+    return path.with_name(f".{path.name}.tmp")
 
 
 def save_checkpoint(state: dict, path) -> None:
@@ -91,7 +104,7 @@ def clear_directory(tmp: Path, rank: int, barrier) -> None:
 
 def replace_directory(tmp: Path, path: Path, rank: int, barrier) -> None:
     """Once every rank has written `tmp`: move it to `path` (rank 0). `path` is first moved aside to
-    `.NAME.old`, which `--resume` finds if the process dies between the two renames."""
+    `.NAME.old`, which `recover` puts back if the process died between the two renames."""
     barrier()
     if rank == 0:
         if tmp.is_dir():  # (atomic_save also moves a file here over an earlier strategy's directory)
@@ -102,6 +115,18 @@ def replace_directory(tmp: Path, path: Path, rank: int, barrier) -> None:
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
     barrier()
+
+
+def recover(path: Path) -> None:
+    """Put back the checkpoint at `.NAME.old` when `path` is missing: a replace_directory killed between its two
+    renames (every rank may call it; the first one's rename wins)."""
+    old = path.with_name(f".{path.name}.old")
+    if not path.exists() and old.exists():
+        try:
+            os.rename(old, path)
+        except OSError:
+            if not path.exists():
+                raise
 
 
 def load_checkpoint(path, raw: bool = False) -> dict:

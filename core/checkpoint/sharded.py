@@ -76,7 +76,7 @@ def save(path, state: dict, rank: int, barrier) -> None:
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = files.staging(path)
     files.clear_directory(tmp, rank, barrier)
     tensors, rest = split(state)
     alone = not torch.distributed.is_initialized()  # one process: no group to coordinate

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from core.strategies import DDP
+from core.strategies.ddp import DDP
 
 
 class FSDP(DDP):
@@ -112,6 +112,9 @@ class FSDP(DDP):
                         "`fabric.setup(model, optimizer)`, or create the optimizer after "
                         "`model = fabric.setup_module(model)` from `model.parameters()`.")
 
+    def parameter_shares(self):
+        return ShardedParameters()
+
     @contextmanager
     def _gradient_sync(self, module, enabled: bool):
         module.module.set_requires_gradient_sync(enabled)
@@ -185,6 +188,28 @@ class FSDP(DDP):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         options = StateDictOptions(full_state_dict=not _sharded(state))
         set_optimizer_state_dict(wrapped_module.module, optimizer, state, options=options)
+
+
+class ShardedParameters:
+    """What each process holds of an FSDP2 module's parameters (common/ema.py's `parameter_shares`): DTensors,
+    which shard themselves, so code that copies them (the EMA) gets sharded copies as they are; only a check
+    of the values reads this process's shard directly (a DTensor's own reduction would be a collective)."""
+
+    def local(self, param):
+        return param
+
+    def full(self, param, local):
+        return local
+
+    def part(self, param, full):
+        return full
+
+    def written(self, params: list) -> None:
+        pass
+
+    def finite(self, param) -> bool:
+        local = param.to_local() if hasattr(param, "to_local") else param
+        return bool(local.detach().isfinite().all())
 
 
 def _sharded(tree) -> bool:

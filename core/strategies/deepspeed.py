@@ -22,8 +22,11 @@ files are pickles of more than tensors: every one is read with `weights_only=Tru
 allowed DeepSpeed and Python types, so a file carrying anything else is refused unread.
 """
 import copy
+import importlib
 import json
+import logging
 import os
+import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -31,8 +34,39 @@ import torch
 
 from core import checkpoint
 from core.checkpoint import deepspeed as deepspeed_checkpoint
-from core.strategies import DDP
-from core.validation import check_installed
+from core.precision.engine import EnginePrecision
+from core.strategies.ddp import DDP
+
+
+def import_deepspeed(strategy: str, device_type: str) -> None:
+    """DeepSpeed is an optional extra: when it is missing, say so once, before any process is started.
+    When it is there, quiet what it brings that no user can act on."""
+    # DeepSpeed picks its accelerator on import (once per process), and warns when it falls back to the CPU by
+    # itself: DS_ACCELERATOR names it for the import only, so that it does not reach the user's subprocesses
+    added = "DS_ACCELERATOR" not in os.environ
+    os.environ.setdefault("DS_ACCELERATOR", device_type)
+    # DeepSpeed imports torch.utils.cpp_extension, which on a machine without CUDA logs "No CUDA runtime is
+    # found" once per process: nothing to act on when running on CPU.
+    build_log = logging.getLogger("torch.utils.cpp_extension")
+    level = build_log.level
+    if not torch.cuda.is_available():
+        build_log.setLevel(logging.ERROR)
+    try:
+        importlib.import_module("torch.utils.cpp_extension")
+        import deepspeed  # noqa: F401
+    except ImportError as error:
+        raise ModuleNotFoundError(f"strategy {strategy!r} needs DeepSpeed, which cannot be imported ({error}); "
+                                  f"install it with pip install -e '.[deepspeed]', or choose ddp or fsdp",
+                                  name="deepspeed") from None
+    finally:
+        build_log.setLevel(level)
+        if added:
+            del os.environ["DS_ACCELERATOR"]
+    # ZeRO calls torch collectives that torch 2.14 deprecates, and the warning comes back on every call
+    # (242 lines in 30 GAN steps at stage 3): DeepSpeed's to change, not the user's.
+    deprecated = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+    warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
+
 
 class DeepSpeed(DDP):
     joint_setup = True
@@ -60,11 +94,11 @@ class DeepSpeed(DDP):
             raise TypeError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}.")
         self.user_config = config
         self._names = {}  # id(optimizer) -> the names of its parameters per group, for checkpoints
-        check_installed(self.name, device.type)  # imports DeepSpeed on this device's accelerator
+        import_deepspeed(self.name, device.type)  # imports DeepSpeed on this device's accelerator
         self.config()  # refuse a config that contradicts the strategy's name now, not at setup
 
     def choose_precision(self, precision):
-        return precision.under_engine()  # the engine converts the module to bf16/fp16 and scales the loss
+        return EnginePrecision(precision)  # the engine converts the module to bf16/fp16 and scales the loss
 
     def config(self) -> dict:
         config = copy.deepcopy(self.user_config) if self.user_config is not None else {}
@@ -180,7 +214,7 @@ class DeepSpeed(DDP):
         from core.wrappers import FabricModule
 
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
+        tmp = checkpoint.staging(path)
         checkpoint.clear_directory(tmp, self.global_rank, self.barrier)
         key_of = {id(value): key for key, value in state.items() if isinstance(value, FabricModule)}
         plain = {}
@@ -279,6 +313,9 @@ class Zero3Shares:
         if persistent:
             persistent[0].partition(persistent)
             persistent[0].all_gather(persistent)
+
+    def finite(self, param) -> bool:
+        return bool(self.local(param).detach().isfinite().all())
 
 
 def _version() -> str:

@@ -1,0 +1,85 @@
+"""Strategies: how a module is wrapped, how gradients are synchronised, how state is saved; one class per file.
+
+| name | class | file |
+| --- | --- | --- |
+| single | SingleDevice | `single.py` (the base: one process, one device) |
+| ddp, ddp_spawn, ddp_fork, ... | DDP, DDPSpawn | `ddp.py` (the process group and the collectives) |
+| dp | DataParallel | `dp.py` |
+| fsdp | FSDP | `fsdp.py` (FSDP2, imported when chosen) |
+| deepspeed, deepspeed_stage_* | DeepSpeed | `deepspeed.py` (imported when chosen) |
+
+STRATEGIES maps each name to its class and the options it is made with; a new strategy is one file and one
+entry there, or `register_strategy(name, cls, **options)` from outside core.
+"""
+import importlib
+import inspect
+
+import torch
+
+from core.strategies.ddp import DDP, DDPSpawn
+from core.strategies.dp import DataParallel
+from core.strategies.single import SingleDevice
+
+# name -> (class or "module:Class", options it is made with); the module is imported when the name is chosen
+STRATEGIES = {
+    "single": (SingleDevice, {}),
+    "ddp": (DDP, {}),
+    "ddp_spawn": (DDPSpawn, {}),
+    "ddp_fork": (DDPSpawn, {"start_method": "fork"}),
+    "ddp_notebook": (DDPSpawn, {"start_method": "fork"}),
+    "ddp_find_unused_parameters_true": (DDP, {"find_unused_parameters": True}),
+    "dp": (DataParallel, {}),
+    "fsdp": ("core.strategies.fsdp:FSDP", {}),
+    "deepspeed": ("core.strategies.deepspeed:DeepSpeed", {"stage": None}),  # the stage from the config, else 2
+    "deepspeed_stage_1": ("core.strategies.deepspeed:DeepSpeed", {"stage": 1}),
+    "deepspeed_stage_2": ("core.strategies.deepspeed:DeepSpeed", {"stage": 2}),
+    "deepspeed_stage_3": ("core.strategies.deepspeed:DeepSpeed", {"stage": 3}),
+    "deepspeed_stage_2_offload": ("core.strategies.deepspeed:DeepSpeed", {"stage": 2, "offload": True}),
+    "deepspeed_stage_3_offload": ("core.strategies.deepspeed:DeepSpeed", {"stage": 3, "offload": True}),
+}
+
+
+# Lightning's other names, for ported scripts (the training scripts' --strategy does not offer them)
+LIGHTNING_NAMES = ("ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true", "dp")
+
+
+def register_strategy(name: str, strategy, **options) -> None:
+    """Make `Fabric(strategy=name)` build `strategy(device, precision, **options, **user_options)`;
+    `strategy` is a subclass of SingleDevice, or "module:Class" to import when the name is chosen."""
+    if not (isinstance(strategy, str) or isinstance(strategy, type) and issubclass(strategy, SingleDevice)):
+        raise TypeError(f"A strategy is a subclass of core.strategies.SingleDevice (or 'module:Class'), "
+                        f"got {strategy!r}.")
+    if name == "auto":
+        raise ValueError("'auto' is not a strategy's name: it picks single or ddp by the number of processes.")
+    STRATEGIES[name] = (strategy, options)
+
+
+def make_strategy(name: str, device: torch.device, precision, user_options: dict) -> SingleDevice:
+    if name not in STRATEGIES:
+        raise ValueError(f"Unknown strategy {name!r}. Choose one of: {', '.join(['auto', *STRATEGIES])}.")
+    cls, options = STRATEGIES[name]
+    if isinstance(cls, str):
+        module, _, class_name = cls.partition(":")
+        cls = getattr(importlib.import_module(module), class_name)
+    fixed = sorted(set(options) & set(user_options))
+    if fixed:
+        raise ValueError(f"strategy={name!r} sets {fixed} itself; drop them, or choose a strategy whose name does "
+                         f"not fix them.")
+    parameters = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        takes = sorted(set(parameters) - {"self", "device", "precision"} - set(options))
+        unknown = sorted(set(user_options) - set(takes))
+        if unknown:
+            raise TypeError(f"Fabric() got {unknown}, which strategy={name!r} does not take. Its options: "
+                            f"{', '.join(takes) or 'none'}.")
+    strategy = cls(device, precision, **options, **user_options)
+    strategy.name = name
+    return strategy
+
+
+def check_installed(name: str, device_type: str) -> None:
+    """A strategy that needs an optional package says so in one line when it is missing, before any process
+    is started (DeepSpeed; imported here on `device_type`'s accelerator)."""
+    if name.startswith("deepspeed"):
+        from core.strategies.deepspeed import import_deepspeed
+        import_deepspeed(name, device_type)
