@@ -12,6 +12,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
+from common.loggers import LOGGERS, check_logger
 from common.rundir import resolve_run
 
 
@@ -140,6 +141,8 @@ class RunConfig:
                             choices=("constant", "cosine"))
     warmup_steps: int = flag(0, "steps of linear learning-rate warm-up (with --lr-schedule cosine)")
     compile: bool = flag(False, "torch.compile the models (the first steps compile: tens of seconds)")
+    logger: str = flag("csv", "where the log records go besides metrics.jsonl: csv (metrics.csv in the run directory), "
+                              "tensorboard (tensorboard/ in it; needs the tensorboard extra), or none", choices=LOGGERS)
 
     def check(self):
         for name in ("max_steps", "batch_size", "accumulate"):
@@ -150,5 +153,6 @@ class RunConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.warmup_steps and self.lr_schedule == "constant":
             raise ValueError("--warmup-steps is part of --lr-schedule cosine; pass --lr-schedule cosine too")
+        check_logger(self.logger)
         if self.warmup_steps >= self.max_steps:
             raise ValueError(f"--warmup-steps ({self.warmup_steps}) must be less than --max-steps ({self.max_steps})")

@@ -12,7 +12,7 @@ def atomic_write(path, write, mode: str = "wb") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, mode) as f:
+        with open(tmp, mode, **({} if "b" in mode else {"newline": ""})) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

@@ -209,7 +209,7 @@ class Bookkeeping:
         again, and check the weights."""
         self.progress.close()
         self.stop.close()
-        self.run.finalize("stopped" if self.stop.reason else "success")
+        self.run.finalize()
         check_weights(self.state, self.state["step"], self.run.checkpoint)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from common.files import atomic_write
+from common.loggers import make_loggers
 
 # Fields that do not change what is trained: they may differ between a run and its resume. Every other
 # field given on a resume's command line must equal the run's (check_resume_config).
@@ -205,7 +206,7 @@ class RunDir:
                                  f"{resume or 'none'}): the run directory must be on a filesystem every node sees")
         self.workload, self.write = workload, write  # write: False on every rank but 0
         self.started = time.perf_counter()
-        self.loggers = []  # objects with Lightning's log_metrics(metrics, step) and finalize(status); see start
+        self.loggers = []  # --logger's (common/loggers.py), made by start
 
     def _create(self) -> None:
         (self.path / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -227,13 +228,12 @@ class RunDir:
         if config.resume:
             print(f"Resumed from {config.resume} at step {step}, writing to {self.path}", flush=True)
         self._create()
+        kept = [r for r in self.metrics() if r["step"] <= step]
         if (self.path / "metrics.jsonl").exists():  # created by the first record, not before: a run shows it
-            kept = [r for r in self.metrics() if r["step"] <= step]  # has trained once metrics.jsonl is there
-            with open(self.path / "metrics.jsonl", "w") as f:
+            with open(self.path / "metrics.jsonl", "w") as f:  # has trained once metrics.jsonl is there
                 f.writelines(json.dumps(r) + "\n" for r in kept)
         self.write_json("config.json", {"workload": self.workload, **dataclasses.asdict(config)})
-        if hasattr(config, "loggers"):  # --logger (the wrapped scripts' flag): the same records, also cut at `step`
-            self.loggers = config.loggers(self.path, step)
+        self.loggers = make_loggers(config.logger, self.path, kept, step)  # the same records, also cut at `step`
 
     def save_plain(self, state: dict, path: Path | None = None) -> None:
         """The plain variant's checkpoint of `state` (at `path`, default last.ckpt), written by rank 0."""
@@ -250,12 +250,12 @@ class RunDir:
             with open(self.path / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             for logger in self.loggers:
-                logger.log_metrics({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+                logger.log(record)
 
-    def finalize(self, status: str) -> None:
-        """The loggers' end of the run: "success", or "stopped"."""
+    def finalize(self) -> None:
+        """The loggers' end of the run."""
         for logger in self.loggers:
-            logger.finalize(status)
+            logger.close()
 
     @staticmethod
     def resources() -> dict:

@@ -33,10 +33,6 @@ class FabricFlags:
     collective_timeout: float = field(default=1800, metadata={
         "help": "seconds a process waits in a collective for the others (for rank 0's evaluation, say) before it "
                 "stops with an error naming this flag"})
-    logger: str = field(default="csv", metadata={
-        "help": "where the log records go besides metrics.jsonl: csv (metrics.csv in the run directory), tensorboard "
-                "(tensorboard/ in it; needs the tensorboard extra), or none",
-        "choices": ("csv", "tensorboard", "none")})
 
     def check(self):
         parent = getattr(super(), "check", None)  # the workload's Config, merged after this class
@@ -58,12 +54,6 @@ class FabricFlags:
                   "CPU's mixed precision.", file=sys.stderr, flush=True)
         if self.collective_timeout <= 0:
             raise ValueError(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout:g}")
-        if self.logger == "tensorboard":
-            try:
-                import tensorboard  # noqa: F401
-            except ImportError:
-                raise ValueError("--logger tensorboard needs the tensorboard package: pip install -e "
-                                 "'.[tensorboard]', or use --logger csv") from None
 
     @staticmethod
     def recover_checkpoint(path) -> None:
@@ -73,14 +63,6 @@ class FabricFlags:
     def on_failure(self) -> None:
         """Called by the CLI before it exits with an error: this rank's exit must not wait for the others."""
         launcher.mark_failed()
-
-    def loggers(self, run_dir, start_step: int = 0) -> list:
-        """The loggers --logger asks for, writing into the run directory (on rank 0); a run resumed at
-        `start_step` keeps the CSV rows up to that step."""
-        from core.loggers import CSVLogger, TensorBoardLogger
-        if self.logger == "csv":
-            return [CSVLogger(run_dir, flush_every=1, start_step=start_step)]  # agrees with metrics.jsonl after a kill
-        return [TensorBoardLogger(Path(run_dir) / "tensorboard")] if self.logger == "tensorboard" else []
 
     def fabric_options(self) -> dict:
         devices = int(self.devices) if self.devices.isdigit() else self.devices

@@ -7,7 +7,6 @@
     loader = fabric.setup_dataloaders(loader)
     fabric.backward(loss)
 """
-import os
 import weakref
 from contextlib import ExitStack, contextmanager
 
@@ -16,13 +15,15 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from core import checkpoint, launcher, validation
+from core.conveniences import Conveniences
 from core.precision import map_nested, make_precision
-from core.seed import WorkerSeeder, global_seed, seed_everything, seed_workers
+from core.seed import WorkerSeeder, global_seed, seed_workers
 from core.strategies import SingleDevice, make_strategy
 from core.wrappers import (FabricDataLoader, FabricModule, FabricOptimizer, BackwardState, compile_like, move_to,
-                           SkipInit, frozen_parameters, rebuild_loader, shard_loader, unwrap_compiled, wrap_optimizer)
+                           frozen_parameters, rebuild_loader, shard_loader, unwrap_compiled, wrap_optimizer)
 
-class Fabric:
+
+class Fabric(Conveniences):
     """Moves models to the device, applies precision, wraps them for a strategy and wraps their optimizers.
 
     Args (each of the first five, when not given, is read from the environment that Lightning's `fabric run`
@@ -150,19 +151,6 @@ class Fabric:
                                         module, compiled)
         self._after_setup(module, wrapped, None)
         return wrapped
-
-    def _after_setup(self, module: nn.Module, wrapped: FabricModule, optimizers: list | None) -> None:
-        """As Lightning: a LightningModule learns its Fabric (its `self.fabric`, `self.log`, `self.logger` work)
-        and becomes a callback; after `setup` (not setup_module), every callback's `on_after_setup(fabric=,
-        module=)`."""
-        if hasattr(module, "_fabric"):
-            module._fabric = self
-            if optimizers is not None:
-                module._fabric_optimizers = optimizers
-            if module not in self._callbacks:
-                self._callbacks.append(module)
-        if optimizers is not None:
-            self.call("on_after_setup", fabric=self, module=wrapped)
 
     def _check_split_setup(self) -> None:
         if self._strategy.joint_setup:
@@ -371,19 +359,6 @@ class Fabric:
     def broadcast(self, obj, src: int = 0):
         return self._strategy.broadcast(obj, src)
 
-    @contextmanager
-    def rank_zero_first(self, local: bool = False):
-        """Run the block on rank 0 (each node's local rank 0 with `local=True`) first, then on the other ranks,
-        e.g. a download into a shared directory. The others wait up to CORE_RANK_ZERO_FIRST_TIMEOUT seconds
-        (4 hours)."""
-        first = (self.local_rank if local else self.global_rank) == 0
-        timeout = float(os.environ.get("CORE_RANK_ZERO_FIRST_TIMEOUT", 4 * 3600))  # a download may take hours
-        if not first:
-            self._strategy.barrier(timeout)
-        yield
-        if first:
-            self._strategy.barrier(timeout)
-
     def all_reduce(self, data, group=None, reduce_op="mean"):
         """Reduce a tensor, a number, or every tensor and number inside lists, tuples and dicts, across
         processes: reduce_op "mean" (or "avg"), "sum", "max", "min", "product", or a torch ReduceOp."""
@@ -398,36 +373,6 @@ class Fabric:
     def _tensors_on_device(self, data):
         return map_nested(data, lambda leaf: leaf.to(self.device) if isinstance(leaf, torch.Tensor) else
                           torch.as_tensor(leaf, device=self.device) if isinstance(leaf, (int, float)) else leaf)
-
-    # --- loggers and callbacks ---------------------------------------------------------------------
-    @property
-    def loggers(self) -> list:
-        return self._loggers
-
-    @property
-    def logger(self):
-        """The first logger (Lightning's convention), or None."""
-        return self._loggers[0] if self._loggers else None
-
-    def log(self, name: str, value, step: int | None = None) -> None:
-        self.log_dict({name: value}, step=step)
-
-    def log_dict(self, metrics: dict, step: int | None = None) -> None:
-        """Write metrics (tensors become numbers) to every logger; each logger writes on rank 0 only."""
-        metrics = map_nested(metrics, lambda v: v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
-        for logger in self._loggers:
-            logger.log_metrics(metrics, step=step)
-
-    def call(self, hook_name: str, *args, **kwargs) -> None:
-        """Call `hook_name(*args, **kwargs)` on every callback that has it; keyword arguments a callback's
-        method does not take are left out for that callback."""
-        for callback in self._callbacks:
-            method = getattr(callback, hook_name, None)
-            if method is None:
-                continue
-            if not callable(method):
-                raise TypeError(f"Callback {type(callback).__name__}.{hook_name} is not callable.")
-            method(*args, **validation.accepted_kwargs(method, kwargs))
 
     @property
     def device(self) -> torch.device:
@@ -457,16 +402,6 @@ class Fabric:
     def strategy(self):
         return self._strategy
 
-    @property
-    def accelerator(self) -> "Accelerator":
-        return Accelerator(self.device.type)
-
-    @staticmethod
-    def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = False) -> int:
-        """core.seed_everything, with each data-loader worker seeded too unless `workers=False` (Fabric's
-        default, where the module-level function's is False)."""
-        return seed_everything(seed, workers=True if workers is None else workers, verbose=verbose)
-
     # --- checkpoints -------------------------------------------------------------------------------
     def save(self, path, state: dict, filter: dict | None = None) -> None:
         """Save set-up modules, optimizers and plain values (numbers, strings, tensors, containers) in
@@ -493,55 +428,6 @@ class Fabric:
         if state is None:
             return saved
         return checkpoint.restore(saved, state, self._strategy, self._precision, self._module_of, path, strict)
-
-    def load_raw(self, path, obj, strict: bool = True, weights_only: bool | None = None) -> None:
-        """Load a bare state dict saved with `torch.save(module.state_dict())` (or an optimizer's) into a
-        module or optimizer, set up or not. `weights_only`: as for load."""
-        with checkpoint.trusted(weights_only is False):
-            raw = checkpoint.load_checkpoint(path, raw=True)
-        checkpoint.restore({"obj": raw}, {"obj": obj}, self._strategy, self._precision, self._module_of, path, strict,
-                           raw=True)
-
-    @contextmanager
-    def init_tensor(self):
-        """Tensors created inside are created on this process's device and, under a true precision, in its
-        dtype."""
-        with self.device, self._precision.init_context():
-            yield
-
-    # --- building models --------------------------------------------------------------------------------
-    @contextmanager
-    def init_module(self, empty_init: bool | None = None):
-        """Create modules inside this block directly on the device and, for the *-true precisions, in their
-        dtype, instead of on the CPU in float32 first. `empty_init=True` skips the initialisation of weights
-        that a checkpoint will overwrite; under fsdp it creates them on the meta device, so that no rank
-        holds the whole model: setup shards it, allocates each rank's shard and runs reset_parameters."""
-        self._check_launched()
-        device = self._strategy.module_init_device(empty_init)
-        with ExitStack() as stack:
-            stack.enter_context(device)
-            stack.enter_context(self._precision.init_context())
-            if empty_init and device.type != "meta":
-                stack.enter_context(SkipInit())
-            yield
-
-
-class Accelerator:
-    """`fabric.accelerator`: the kind of device a run uses ("cpu" or "cuda"), and how many of it this
-    machine has; what Lightning's Accelerator objects are mostly asked."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def auto_device_count(self) -> int:
-        return torch.cuda.device_count() if self.name == "cuda" else 1
-
-    def is_available(self) -> bool:
-        return torch.cuda.is_available() if self.name == "cuda" else True
-
-    def __repr__(self) -> str:
-        return f"Accelerator({self.name!r})"
-
 
 def _as_list(items) -> list:
     return [] if items is None else list(items) if isinstance(items, (list, tuple)) else [items]

@@ -241,15 +241,18 @@ def test_cli_misuse_exits_2_with_one_line(args, message, tmp_path):
     assert message in lines[0]
 
 
-def test_logs_go_to_the_chosen_logger_too_and_survive_a_resume(tmp_path):
+@pytest.mark.parametrize("script", [train_torch, train], ids=["plain", "wrapped"])
+def test_logs_go_to_the_chosen_logger_too_and_survive_a_resume(tmp_path, script):
+    """--logger is the same flag with the same files in both variants (common/loggers.py)."""
     import csv
-    config = merge(Config, FabricFlags)
-    train.main(config(**TINY, max_steps=4, out=str(tmp_path / "run"), accelerator="cpu"))  # --logger csv: default
-    train.main(resolved(config, **TINY, max_steps=8, resume=str(tmp_path / "run"), accelerator="cpu"))
+    config = merge(Config, FabricFlags) if script is train else Config
+    cpu = {"accelerator": "cpu"} if script is train else {}
+    script.main(config(**TINY, max_steps=4, out=str(tmp_path / "run"), **cpu))  # --logger csv: default
+    script.main(resolved(config, **TINY, max_steps=8, resume=str(tmp_path / "run"), **cpu))
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
     assert [int(row["step"]) for row in rows] == [r["step"] for r in records] == [2, 4, 6, 8]
     assert [float(row["loss_d"]) for row in rows] == [r["loss_d"] for r in records]
-    train.main(config(**TINY, max_steps=2, out=str(tmp_path / "tb"), accelerator="cpu", logger="tensorboard"))
+    script.main(config(**TINY, max_steps=2, out=str(tmp_path / "tb"), logger="tensorboard", **cpu))
     assert any(path.name.startswith("events.out.tfevents") for path in (tmp_path / "tb" / "tensorboard").iterdir())
     assert not (tmp_path / "tb" / "metrics.csv").exists()

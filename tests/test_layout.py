@@ -163,7 +163,7 @@ CORE_LAYERS = [
     ["core.launcher"],  # starting, watching and ending the processes
     ["core.strategies"],  # one class per file behind STRATEGIES
     ["core.validation"],  # the checks behind Fabric's errors
-    ["core.fabric"],
+    ["core.fabric", "core.conveniences"],  # the Fabric, and what it offers Lightning users beyond a training step
     ["core", "core.cli", "core.convert"],  # the entry points
 ]
 
