@@ -19,7 +19,7 @@ from autoencoder.data import CHANNELS, load_splits, make_loader
 from autoencoder.model import AutoEncoder
 from autoencoder.report import evaluate, finish
 from common.config import cli
-from common.plain_checkpoint import load_plain
+from common.plain_checkpoint import load_plain, save_plain
 from common.run import Bookkeeping, StopRequests, accumulated, lr_scheduler
 from common.rundir import RunDir
 
@@ -74,9 +74,11 @@ def main(config: Config) -> dict:
         if loop.end_step(step, loss, lambda: {"loss": loss.item()}):
             break
         if loop.checkpoint_due():
-            run.save_plain(state)
+            if rank == 0:
+                save_plain(run.checkpoint, state)
     loop.close()
-    run.save_plain(state)
+    if rank == 0:
+        save_plain(run.checkpoint, state)
     if stop.reason:
         return stop.report(run, state["step"])
 

@@ -56,7 +56,7 @@ class EMA:
         """`decay` 0 turns the average off: no copies, `update` and `swapped_in` do nothing."""
         if not 0 <= decay < 1:
             raise ValueError(f"the EMA decay must be in [0, 1), got {decay}")
-        self.decay, self.shares = decay, shares_of(module)  # no `module` attribute: save_plain would unwrap it
+        self.decay, self.shares = decay, shares_of(module)  # no `module` attribute: save_plain unwraps `.module`
         floating = {name: b for name, b in module.named_buffers() if b.is_floating_point()}
         self.params = {**dict(module.named_parameters()), **floating} if decay else {}  # the averaged tensors
         with torch.no_grad():

@@ -235,12 +235,6 @@ class RunDir:
         self.write_json("config.json", {"workload": self.workload, **dataclasses.asdict(config)})
         self.loggers = make_loggers(config.logger, self.path, kept, step)  # the same records, also cut at `step`
 
-    def save_plain(self, state: dict, path: Path | None = None) -> None:
-        """The plain variant's checkpoint of `state` (at `path`, default last.ckpt), written by rank 0."""
-        if self.write:
-            from common.plain_checkpoint import save_plain
-            save_plain(path or self.checkpoint, state)
-
     def log(self, record: dict) -> None:
         """Append one record ({"step": N, ...}) to metrics.jsonl, stamped with the seconds since the run (or its
         resume) started, and hand it to every logger."""

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common.config import cli
 from common.ema import EMA
-from common.plain_checkpoint import load_plain
+from common.plain_checkpoint import load_plain, save_plain
 from common.run import Bookkeeping, StopRequests, batches, lr_scheduler, step_generator
 from common.rundir import RunDir
 from gan.augment import Augment
@@ -121,11 +121,14 @@ def main(config: Config) -> dict:
                 dist.broadcast_object_list(fid)
             if fid[0] < state["best_fid"]:  # rank 0's score: every rank takes the same decision
                 state.update(best_fid=fid[0], best_step=state["step"])
-                run.save_plain(state, run.best_checkpoint)
+                if rank == 0:
+                    save_plain(run.best_checkpoint, state)
         if loop.checkpoint_due():
-            run.save_plain(state)
+            if rank == 0:
+                save_plain(run.checkpoint, state)
     loop.close()
-    run.save_plain(state)
+    if rank == 0:
+        save_plain(run.checkpoint, state)
     if stop.reason:
         return stop.report(run, state["step"])
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from common.config import cli
-from common.plain_checkpoint import load_plain
+from common.plain_checkpoint import load_plain, save_plain
 from common.run import Bookkeeping, StopRequests, lr_scheduler, step_generator
 from common.rundir import RunDir
 from metalearn.config import Config
@@ -78,9 +78,11 @@ def main(config: Config) -> dict:
         if loop.end_step(step, loss, lambda: {"loss": loss.item()}):
             break
         if loop.checkpoint_due():
-            run.save_plain(state)
+            if rank == 0:
+                save_plain(run.checkpoint, state)
     loop.close()
-    run.save_plain(state)
+    if rank == 0:
+        save_plain(run.checkpoint, state)
     if stop.reason:
         return stop.report(run, state["step"])
 
