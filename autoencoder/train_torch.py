@@ -18,10 +18,12 @@ from autoencoder.config import Config
 from autoencoder.data import CHANNELS, load_splits, make_loader
 from autoencoder.model import AutoEncoder
 from autoencoder.report import evaluate, finish
+from common.bookkeeping import Bookkeeping
 from common.config import cli
 from common.plain_checkpoint import load_plain, save_plain
-from common.run import Bookkeeping, StopRequests, accumulated, lr_scheduler
 from common.rundir import RunDir
+from common.steps import accumulated, lr_scheduler
+from common.stopping import StopRequests
 
 
 def main(config: Config) -> dict:

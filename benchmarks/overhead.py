@@ -154,12 +154,12 @@ def _ddp_rank(rank: int, blocks: int, steps: int, port: int, queue) -> None:
 
 
 def stop_check_cost(steps: int = 2000) -> dict:
-    """What the loops' stop decision (common.run.StopRequests.check) costs per step: on one process (no
+    """What the loops' stop decision (common.stopping.StopRequests.check) costs per step: on one process (no
     reduction), and on 2 gloo processes of 1 thread (an all-reduce of 3 numbers through fabric.all_reduce
     every 10 steps, as the loops do)."""
     import torch.multiprocessing as mp
 
-    from common.run import StopRequests
+    from common.stopping import StopRequests
 
     stop, loss = StopRequests(), torch.tensor(1.0)
     one = _time_checks(stop, loss, steps)
@@ -183,7 +183,7 @@ def _time_checks(stop, loss, steps: int) -> dict:
 def _stop_check_rank(rank: int, steps: int, port: int, queue) -> None:
     import os
 
-    from common.run import StopRequests
+    from common.stopping import StopRequests
     from core import Fabric
     from core.launcher import cluster_environment
 

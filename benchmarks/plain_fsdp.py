@@ -25,10 +25,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from common.bookkeeping import Bookkeeping
 from common.config import cli
 from common.ema import EMA
-from common.run import Bookkeeping, StopRequests, accumulated, batches, lr_scheduler, step_generator
 from common.rundir import RunDir
+from common.steps import accumulated, batches, lr_scheduler, step_generator
+from common.stopping import StopRequests
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors on rank 0's CPU, {} elsewhere
 

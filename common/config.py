@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 
 from common.loggers import LOGGERS, check_logger
-from common.rundir import resolve_run
+from common.resume import resolve_run
 
 
 class _Parser(argparse.ArgumentParser):

@@ -32,7 +32,7 @@ class Config(RunConfig):
     r1_every: int = flag(16, "take the R1 penalty every N discriminator steps, N times as strong (StyleGAN2's lazy "
                              "regularisation)")
 
-    # what a run saved before a flag existed ran with (common/rundir.py check_resume_config): such a run resumes
+    # what a run saved before a flag existed ran with (common/resume.py check_resume_config): such a run resumes
     # only with that value, so an older run does not continue through a generator it was not trained with
     saved_before = {"native_size": "0", "r1_gamma": 0.0, "r1_every": 16}
 

@@ -11,10 +11,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from common.bookkeeping import Bookkeeping
 from common.config import cli
 from common.ema import EMA
-from common.run import Bookkeeping, StopRequests, batches, lr_scheduler, step_generator
 from common.rundir import RunDir
+from common.steps import batches, lr_scheduler, step_generator
+from common.stopping import StopRequests
 from core import Fabric
 from core.cli import FabricFlags
 from gan.augment import Augment

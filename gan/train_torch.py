@@ -13,11 +13,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from common.bookkeeping import Bookkeeping
 from common.config import cli
 from common.ema import EMA
 from common.plain_checkpoint import load_plain, save_plain
-from common.run import Bookkeeping, StopRequests, batches, lr_scheduler, step_generator
 from common.rundir import RunDir
+from common.steps import batches, lr_scheduler, step_generator
+from common.stopping import StopRequests
 from gan.augment import Augment
 from gan.config import Config
 from gan.data import CHANNELS, load_images, make_loader

@@ -9,9 +9,11 @@ import time
 
 import torch
 
+from common.bookkeeping import Bookkeeping
 from common.config import cli
-from common.run import Bookkeeping, StopRequests, lr_scheduler, step_generator
 from common.rundir import RunDir
+from common.steps import lr_scheduler, step_generator
+from common.stopping import StopRequests
 from core import Fabric
 from core.cli import FabricFlags
 from metalearn.config import Config

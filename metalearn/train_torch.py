@@ -13,10 +13,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from common.bookkeeping import Bookkeeping
 from common.config import cli
 from common.plain_checkpoint import load_plain, save_plain
-from common.run import Bookkeeping, StopRequests, lr_scheduler, step_generator
 from common.rundir import RunDir
+from common.steps import lr_scheduler, step_generator
+from common.stopping import StopRequests
 from metalearn.config import Config
 from metalearn.data import make_tasks
 from metalearn.maml import MetaLearner

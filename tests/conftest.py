@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.rundir import resolve_run
+from common.resume import resolve_run
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("OMP_NUM_THREADS", "1")

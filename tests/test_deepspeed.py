@@ -66,7 +66,7 @@ def test_clip_gradients_says_what_to_set():
 
 
 def test_resume_takes_a_run_directory_or_a_checkpoint_directory(tmp_path):
-    from common.rundir import resume_path
+    from common.resume import resume_path
     from core.cli import FabricFlags
 
     checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"  # what DeepSpeed's fabric.save writes
@@ -112,7 +112,7 @@ ZERO_3_CHECKS = """
 import json, os, pickle, sys, torch
 from pathlib import Path
 from torch import nn
-from common.run import check_weights
+from common.stopping import check_weights
 from core import CheckpointError, Fabric
 
 class Exploit:

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from benchmarks.workloads import WORKLOADS
+from common.bookkeeping import Bookkeeping
 from common.config import RunConfig
-from common.run import Bookkeeping, StopRequests
 from common.rundir import RunDir
+from common.stopping import StopRequests
 from core.checkpoint import load_checkpoint
 from tests.conftest import ROOT, run
 from tests.test_usability import EXPLAINED, WARNING
@@ -312,7 +313,7 @@ def test_a_nan_on_another_rank_raises_on_this_one(tmp_path):
 
 SECOND_CTRL_C = """
 import os, signal, time
-from common.run import StopRequests
+from common.stopping import StopRequests
 stop = StopRequests()
 os.kill(os.getpid(), signal.SIGINT)
 assert stop.signals[signal.SIGINT] == 1  # the first one only asks

@@ -15,7 +15,8 @@ import torch
 
 from autoencoder.config import Config as AutoencoderConfig
 from common.config import merge, parse
-from common.rundir import RESUMABLE_CHANGES, RunDir, resolve_run
+from common.resume import RESUMABLE_CHANGES, resolve_run
+from common.rundir import RunDir
 from core.cli import FabricFlags
 from tests.conftest import ROOT, TORCHRUN, run
 

@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from benchmarks.parity import run_weights
+from common.bookkeeping import Bookkeeping
 from common.config import RunConfig
-from common.run import Bookkeeping, StopRequests, lr_scheduler
 from common.rundir import RunDir
+from common.steps import lr_scheduler
+from common.stopping import StopRequests
 from tests.conftest import ROOT, TORCHRUN, run
 from tests.test_usability import one_line_error
 
@@ -190,7 +192,7 @@ def test_option_misuse_is_one_line(tmp_path):
 def test_records_carry_examples_per_second_over_the_last_interval(tmp_path, monkeypatch):
     run_dir = RunDir(str(tmp_path / "run"), "test")
     clock = iter([10.0, 10.5, 10.5, 12.5, 12.5])  # the start, then each log step: its throughput, its record
-    monkeypatch.setattr("common.run.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("common.bookkeeping.time.perf_counter", lambda: next(clock))
     state = {"step": 0}
     loop = Bookkeeping(RunConfig(max_steps=4, log_every=2), state, run_dir, StopRequests(), "test", 24)
     for step in range(4):

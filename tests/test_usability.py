@@ -19,7 +19,8 @@ from benchmarks.workloads import WORKLOADS
 from common.config import merge, parse
 from common.data import DownloadFailed
 from common.images import load_images
-from common.rundir import RunDir, resolve_run
+from common.resume import resolve_run
+from common.rundir import RunDir
 from core import Fabric, launcher
 from core.cli import FabricFlags
 from gan import train_torch
