@@ -367,7 +367,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats, about 10 minutes on 2 cores; "
                         "writes benchmarks/results/quick/ only, never the full results or the tables")
     parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {', '.join(PARTS)}")
-    parser.add_argument("--no-readme", action="store_true", help="a full run: do not rewrite benchmarks/README.md's tables")
+    parser.add_argument("--no-readme", action="store_true",
+                        help="a full run: do not rewrite benchmarks/README.md's tables")
     parser.add_argument("--workloads", help=f"the quality part: rerun only these workloads' rows (comma-separated of "
                         f"{', '.join(WORKLOADS)}), keeping the others from the last full results")
     args = parser.parse_args(argv)

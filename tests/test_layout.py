@@ -152,3 +152,9 @@ def test_the_workload_readmes_state_the_registrys_quality_targets(workload):
     registry = {(q.target.split()[0], q.target.split()[1].rstrip(".")) for q in WORKLOADS[workload].quality}
     assert {(op, value.rstrip(".")) for op, value in stated} <= registry, (stated, registry)
 
+
+def test_the_readmes_sdiff_column_is_the_count_of_the_scripts():
+    """The README's "changed lines" column is what changed_lines counts now (and so within BUDGETS)."""
+    rows = re.findall(r"^\| \[`(\w+)`\]\(\w+/README\.md\) \|.*\| (\d+) \|$", (ROOT / "README.md").read_text(), re.M)
+    counts = {w: len(changed_lines(ROOT / w / "train_torch.py", ROOT / w / "train.py")) for w in BUDGETS}
+    assert {w: int(n) for w, n in rows} == counts
