@@ -161,6 +161,15 @@ def test_the_tables_live_in_the_benchmarks_readme_between_whole_marker_pairs():
         assert text.count(f"<!-- {name} -->") == 1 == text.count(f"<!-- /{name} -->")
         assert tables.index(f"<!-- {name} -->") < tables.index(f"### {name}\n") < tables.index(f"<!-- /{name} -->")
 
+
+def test_the_hand_pasted_sections_are_the_results_files():
+    """cadence and evaluation run alone and are pasted into benchmarks/README.md by hand: as they stand in
+    results/, so a figure there has one source."""
+    text = (record.ROOT / "benchmarks" / "README.md").read_text()
+    for name in ("cadence", "evaluation"):
+        saved = (record.ROOT / "benchmarks" / "results" / f"{name}.md").read_text().strip()
+        assert f"<!-- {name} -->\n{saved}\n" in text, f"paste results/{name}.md after <!-- {name} --> again"
+
 def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "ROOT", tmp_path)
     readme = tmp_path / "benchmarks" / "README.md"
