@@ -18,10 +18,9 @@ def environment() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 check=True).stdout.strip()
-        # the results and the README tables are this harness's own output, rewritten as it goes; the benchmarks'
-        # README is prose (its result sections are pasted from results/)
+        # the results and the tables in benchmarks/README.md are this harness's own output, rewritten as it goes
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                     ":!benchmarks/results", ":!README.md", ":!benchmarks/README.md"], cwd=ROOT,
+                                     ":!benchmarks/results", ":!benchmarks/README.md"], cwd=ROOT,
                                     capture_output=True, text=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = "unknown", False
@@ -39,8 +38,8 @@ def environment() -> dict:
 
 
 def uncommitted() -> bool:
-    """True when the code differs from its commit (outside the results and the README this harness writes):
-    a full run's figures, which are committed, must come from code a commit holds."""
+    """True when the code differs from its commit (outside the results and benchmarks/README.md, which this harness
+    writes): a full run's figures, which are committed, must come from code a commit holds."""
     return environment()["commit"].endswith("-dirty")
 
 

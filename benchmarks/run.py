@@ -4,8 +4,8 @@
     python -m benchmarks.run                # full: more steps and repeats, every precision, the quality runs
     python -m benchmarks.run --only overhead,maml
 
-A full run writes benchmarks/results/<name>.md, .json and .png and its tables into README.md; a quick run
-writes benchmarks/results/quick/ only, so the committed full results and the README stay as they are. A
+A full run writes benchmarks/results/<name>.md, .json and .png and its tables into benchmarks/README.md; a quick
+run writes benchmarks/results/quick/ only, so the committed full results and the tables stay as they are. A
 figure that misses its target says so in the table; a peer that is not installed (Lightning, `higher`:
 the bench extra) has a row saying so; no row is left out.
 """
@@ -336,8 +336,9 @@ QUALITY_NOTES = (
 
 
 def update_readme(sections: dict) -> None:
-    """Replace the tables between the README's benchmark markers, part by part."""
-    readme = ROOT / "README.md"
+    """Replace the tables between the benchmark markers of benchmarks/README.md, part by part (the root README
+    links them and holds no figure of its own)."""
+    readme = ROOT / "benchmarks" / "README.md"
     text = readme.read_text()
     start, end = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
     i, j = text.index(start) + len(start), text.index(end)
@@ -364,9 +365,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats, about 10 minutes on 2 cores; "
-                        "writes benchmarks/results/quick/ only, never the full results or the README")
+                        "writes benchmarks/results/quick/ only, never the full results or the tables")
     parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {', '.join(PARTS)}")
-    parser.add_argument("--no-readme", action="store_true", help="a full run: do not rewrite the README's tables")
+    parser.add_argument("--no-readme", action="store_true",
+                        help="a full run: do not rewrite benchmarks/README.md's tables")
     parser.add_argument("--workloads", help=f"the quality part: rerun only these workloads' rows (comma-separated of "
                         f"{', '.join(WORKLOADS)}), keeping the others from the last full results")
     args = parser.parse_args(argv)
@@ -401,7 +403,7 @@ def main(argv=None):
         if not args.quick and not args.no_readme and part not in ("cadence", "evaluation"):  # part by part: a later failure loses none
             update_readme({"maml_speed" if part == "maml" else part: markdown})
     if args.quick:
-        print(f"Quick results are in {results_dir(True)}; README.md and the full results are unchanged.")
+        print(f"Quick results are in {results_dir(True)}; benchmarks/README.md and the full results are unchanged.")
 
 
 if __name__ == "__main__":

@@ -50,5 +50,5 @@ def download_failure(name: str, root, expected: str, error: Exception) -> Downlo
     if not (network or lines[0].startswith("Error downloading") or "gdown" in lines[0]):
         return None
     return DownloadFailed(f"could not download {name!r} into {root} ({lines[-1].strip()}); "
-                          f"put the files there yourself ({expected}; README.md, Datasets, says where to get "
+                          f"put the files there yourself ({expected}; docs/datasets.md says where to get "
                           f"them) and run without --download")

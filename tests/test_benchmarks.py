@@ -3,6 +3,7 @@ as failing. No timing is asserted here."""
 import dataclasses
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -130,7 +131,8 @@ def test_a_failing_parity_row_is_shown_failing_and_results_are_well_formed(resul
 
 
 def test_readme_tables_are_replaced_in_place(results, tmp_path, monkeypatch):
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "benchmarks" / "README.md"  # the tables live beside the benchmarks, not in the root README
+    readme.parent.mkdir()
     readme.write_text("intro\nline\n<!-- benchmarks:start -->\n<!-- benchmarks:end -->\noutro\n")
     monkeypatch.setattr(bench, "ROOT", tmp_path)
     record.write("overhead", {}, [], "table one\n")
@@ -144,9 +146,34 @@ def test_readme_tables_are_replaced_in_place(results, tmp_path, monkeypatch):
     assert text.index("table two") < text.index("table three")
 
 
+
+def test_the_tables_live_in_the_benchmarks_readme_between_whole_marker_pairs():
+    """The generated tables have one home, benchmarks/README.md; the root README only links them."""
+    parts = ["overhead", "maml_speed", "parity", "checkpoint", "quality"]
+    root = (record.ROOT / "README.md").read_text()
+    assert "<!-- benchmarks:" not in root and not any(f"<!-- {name} -->" in root for name in parts)
+    text = (record.ROOT / "benchmarks" / "README.md").read_text()
+    assert text.count("<!-- benchmarks:start -->") == 1 == text.count("<!-- benchmarks:end -->")
+    tables = text[text.index("<!-- benchmarks:start -->"):text.index("<!-- benchmarks:end -->")]
+    names = re.findall(r"^<!-- (\w+) -->$", tables, re.M)
+    assert names == parts
+    for name in names:
+        assert text.count(f"<!-- {name} -->") == 1 == text.count(f"<!-- /{name} -->")
+        assert tables.index(f"<!-- {name} -->") < tables.index(f"### {name}\n") < tables.index(f"<!-- /{name} -->")
+
+
+def test_the_hand_pasted_sections_are_the_results_files():
+    """cadence and evaluation run alone and are pasted into benchmarks/README.md by hand: as they stand in
+    results/, so a figure there has one source."""
+    text = (record.ROOT / "benchmarks" / "README.md").read_text()
+    for name in ("cadence", "evaluation"):
+        saved = (record.ROOT / "benchmarks" / "results" / f"{name}.md").read_text().strip()
+        assert f"<!-- {name} -->\n{saved}\n" in text, f"paste results/{name}.md after <!-- {name} --> again"
+
 def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "ROOT", tmp_path)
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "benchmarks" / "README.md"
+    readme.parent.mkdir()
     readme.write_text("<!-- benchmarks:start -->\n<!-- benchmarks:end -->\n")
     full = {name: results / name for name in ("overhead.md", "overhead.json", "maml_speed.md", "maml_speed.json")}
     for path in full.values():

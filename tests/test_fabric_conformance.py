@@ -1,6 +1,6 @@
 """Behaviours of Lightning Fabric's public API that a ported script relies on (issue 29), each written from
 Lightning's documentation and run against core and, where lightning is installed, against Lightning with the
-same assertion. Where core differs on purpose, the README's "Coming from Lightning Fabric" says why."""
+same assertion. Where core differs on purpose, docs/core.md's "Coming from Lightning Fabric" says why."""
 import argparse
 import importlib.util
 import os

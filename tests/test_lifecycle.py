@@ -21,17 +21,17 @@ from common.rundir import RunDir
 from common.stopping import StopRequests
 from core.checkpoint import load_checkpoint
 from tests.conftest import ROOT, run
+from tests.test_readme_blocks import PAGES
 from tests.test_usability import EXPLAINED, WARNING
 
-READMES = [ROOT / "README.md", *sorted(ROOT.glob("*/README.md"))]
 EMBEDDED = {"digits", "sinusoid", "fake"}  # datasets that need no files
 
 
 def readme_commands() -> list[tuple[str, str]]:
-    """(file, command) for every command line in a ```bash block of the README and the workload READMEs,
+    """(file, command) for every command line in a ```bash block of the READMEs and the pages of docs/,
     each `a && b` split in two, comments dropped, duplicates once."""
     found = {}
-    for readme in READMES:
+    for readme in PAGES:
         for block in re.findall(r"```bash\n(.*?)```", readme.read_text(), re.S):
             for line in block.splitlines():
                 line = line.split("  #")[0].strip()

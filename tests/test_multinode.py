@@ -79,8 +79,8 @@ def test_the_environment_srun_gives_two_tasks_on_two_nodes(tmp_path):
 
 
 def readme_srun_line() -> tuple[int, list[str]]:
-    """The number of nodes and the command of the srun line of the README's sbatch script."""
-    text = (ROOT / "README.md").read_text()
+    """The number of nodes and the command of the srun line of the sbatch script in docs/runs.md."""
+    text = (ROOT / "docs" / "runs.md").read_text()
     script = next(block for block in re.findall(r"```sh\n(.*?)```", text, re.S) if "#SBATCH" in block)
     nodes = int(re.search(r"#SBATCH --nodes=(\d+)", script).group(1))
     line = next(line for line in script.splitlines() if line.startswith("srun "))

@@ -274,8 +274,9 @@ def test_a_sharded_checkpoint_folder_resumes_without_out(tmp_path, strategy):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_converted_checkpoint_resumes_in_the_plain_script_as_the_readme_shows(tmp_path):
-    """README: python -m core.convert RUN plain.ckpt, then python -m gan.train_torch --resume plain.ckpt --out DIR."""
+def test_converted_checkpoint_resumes_in_the_plain_script_as_the_docs_show(tmp_path):
+    """docs/checkpoints.md: python -m core.convert RUN plain.ckpt, then
+    python -m gan.train_torch --resume plain.ckpt --out DIR."""
     run(["-m", "gan.train", *GAN_SMALL, "--accelerator", "cpu", "--strategy", "fsdp", "--devices", "2",
          "--max-steps", "2", "--out", str(tmp_path / "fsdp")], timeout=300)
     run(["-m", "core.convert", str(tmp_path / "fsdp"), str(tmp_path / "plain.ckpt")])

@@ -28,6 +28,7 @@ from gan.config import Config
 from metalearn.config import Config as MetaConfig
 from metalearn.data import make_tasks
 from tests.conftest import ROOT, run
+from tests.test_readme_blocks import PAGES
 
 THREADS_PROBE = textwrap.dedent("""
     import os
@@ -127,7 +128,8 @@ def test_download_without_a_network_says_what_to_do_in_one_line(tmp_path, monkey
             load_images(name, str(tmp_path), download=True)
     message = str(error.value)
     assert isinstance(error.value, ValueError) and "\n" not in message
-    assert "simulated: no network" in message and "run without --download" in message and "README" in message
+    assert "simulated: no network" in message and "run without --download" in message
+    assert "docs/datasets.md" in message and f"| `{name}` |" in (ROOT / "docs" / "datasets.md").read_text()
 
 
 def test_download_without_a_network_from_the_command_line(tmp_path):
@@ -187,7 +189,6 @@ def test_class_entropy_of_one_class_is_plus_zero():
     assert value == 0.0 and math.copysign(1.0, value) == 1.0  # printed as 0.000, not -0.000
 
 
-README_FILES = ["README.md", "gan/README.md", "autoencoder/README.md", "metalearn/README.md"]
 WARNING = re.compile(r"warning|\bW\d{4} ", re.IGNORECASE)
 # only for the plain GAN under torchrun: torchrun's note that it set OMP_NUM_THREADS=1, and torch's deprecation of
 # the broadcast_buffers argument the plain script keeps (gan/README.md, Warnings, says why)
@@ -196,10 +197,10 @@ EXPLAINED = re.compile(r"Setting OMP_NUM_THREADS|\bW\d{4} .*torch/distributed/ru
 
 
 def readme_commands() -> list[str]:
-    """The training commands of the READMEs' bash blocks, except those that need dataset files."""
+    """The training commands of the bash blocks of the READMEs and docs/, except those that need dataset files."""
     commands = []
-    for name in README_FILES:
-        for block in re.findall(r"```bash\n(.*?)```", (ROOT / name).read_text(), re.S):
+    for page in PAGES:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
             for line in block.splitlines():
                 command = line.split("#")[0].split("&&")[-1].strip()
                 if re.match(r"(python -m (gan|autoencoder|metalearn)\.train|torchrun)", command) \
@@ -208,11 +209,11 @@ def readme_commands() -> list[str]:
     return commands
 
 
-def test_readme_install_section_matches_setup_cfg():
+def test_the_install_page_matches_setup_cfg():
     setup = configparser.ConfigParser()
     setup.read(ROOT / "setup.cfg")
-    readme = (ROOT / "README.md").read_text()
-    install = readme[readme.index("## Install"):readme.index("## What it is")]
+    install = (ROOT / "docs" / "install.md").read_text()
+    assert "docs/install.md" in (ROOT / "README.md").read_text()  # the README links it
     version = setup["options"]["python_requires"].removeprefix(">=")
     assert f"Python {version} or newer" in install
     extras = {name: sorted(re.split(r"[<>=!~ ]", spec.strip())[0] for spec in value.strip().splitlines())
