@@ -72,8 +72,9 @@ def make_strategy(name: str, device: torch.device, precision, user_options: dict
         if unknown:
             raise TypeError(f"Fabric() got {unknown}, which strategy={name!r} does not take. Its options: "
                             f"{', '.join(takes) or 'none'}.")
-    strategy = cls(device, precision, **options, **user_options)
-    strategy.name = name
+    strategy = cls.__new__(cls)
+    strategy.name = name  # its registry name, for its messages from __init__ on
+    strategy.__init__(device, precision, **options, **user_options)
     return strategy
 
 

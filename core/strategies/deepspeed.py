@@ -84,7 +84,6 @@ class DeepSpeed(DDP):
         self.fixed_stage = stage is not None
         self.stage = stage if stage is not None else 2
         self.offload = offload
-        self.name = f"deepspeed_stage_{stage}{'_offload' if offload else ''}" if stage is not None else "deepspeed"
         if isinstance(config, (str, os.PathLike)):
             try:
                 config = json.loads(Path(config).read_text())

@@ -11,7 +11,7 @@ from core import checkpoint
 class SingleDevice:
     """One process, one device. Every other strategy extends this one."""
 
-    name = "single"  # set to its registry name when made by make_strategy
+    name = "single"  # its registry name, set by make_strategy before __init__
     distributed = False
     spawn = False  # True: launch(fn) runs fn in new processes instead of re-running the script
     joint_setup = False  # DeepSpeed needs model and optimizers together
