@@ -242,3 +242,28 @@ def test_each_rank_finds_its_gpu_also_when_it_sees_only_its_own(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(RuntimeError, match="LOCAL_RANK is 2 but this process sees 2 GPUs .* CUDA_VISIBLE_DEVICES"):
         cuda_index(2)
+
+
+# --- the optimizer wrapper ------------------------------------------------------------------------
+def test_the_optimizer_wrapper_delegates_and_never_holds_stale_state():
+    """A set-up optimizer is still an Adam to its user, and every attribute is the original's: after
+    load_state_dict (which rebinds the original's `state`), a scheduler's writes, or a user's own attribute,
+    the wrapper and the original agree, since the wrapper copies nothing."""
+    fabric = Fabric(accelerator="cpu")
+    model = Net()
+    raw = torch.optim.Adam(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, raw)
+    assert isinstance(optimizer, torch.optim.Adam) and optimizer.optimizer is raw
+    assert set(vars(optimizer)) == {"_optimizer", "step"}  # nothing of the original's copied
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    fabric.backward(model(torch.randn(3, 4)).sum())
+    optimizer.step()
+    scheduler.step()
+    assert raw.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] == 0.05
+    saved = optimizer.state_dict()
+    optimizer.load_state_dict(saved)
+    assert optimizer.state is raw.state and optimizer.param_groups is raw.param_groups
+    optimizer.note = "mine"  # an attribute a user sets lands on the original
+    assert raw.note == "mine" and "note" not in vars(optimizer)
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
