@@ -19,8 +19,9 @@ from core.conveniences import Conveniences
 from core.precision import map_nested, make_precision
 from core.seed import WorkerSeeder, global_seed, seed_workers
 from core.strategies import SingleDevice, make_strategy
-from core.wrappers import (FabricDataLoader, FabricModule, FabricOptimizer, BackwardState, compile_like, move_to,
-                           frozen_parameters, rebuild_loader, shard_loader, unwrap_compiled, wrap_optimizer)
+from core.loaders import FabricDataLoader, rebuild_loader, shard_loader
+from core.wrappers import (BackwardState, FabricModule, FabricOptimizer, compile_like, frozen_parameters, move_to,
+                           unwrap_compiled, wrap_optimizer)
 
 
 class Fabric(Conveniences):

@@ -11,7 +11,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from core import CheckpointError, Fabric, launcher, seed_everything
-from core.wrappers import FabricDataLoader, FabricModule, move_to
+from core.loaders import FabricDataLoader
+from core.wrappers import FabricModule, move_to
 
 
 def mlp(seed=0, width=8):

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset, Wei
 
 from core import Fabric, seed_everything
 from core.loggers import CSVLogger, TensorBoardLogger
-from core.wrappers import ShardedSampler
+from core.loaders import ShardedSampler
 from tests.conftest import TORCHRUN, run
 
 
