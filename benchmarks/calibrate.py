@@ -39,7 +39,7 @@ def summarize_row(path: str, runs: list[dict], clock: str = CLOCK) -> dict:
         estimates += [r["ratio"] for r in ratios]
         sides[side] = {"verdicts": verdicts, **outcome(verdicts),
                        "ratio_median": statistics.median(r["ratio"] for r in ratios),
-                       "injected_median": statistics.median(run["injected"].get(side, 0.0) for run in runs)}
+                       "spin_alone_median": statistics.median(run["spin_alone"].get(side, 0.0) for run in runs)}
     aa, slowed = sides["a/a"], sides["a/a+10%"]
     passed = aa["no"] <= (1 - NEEDED) * len(runs) and slowed["no"] >= NEEDED * len(runs)
     return {"path": path, "clock": clock, "repeats": len(runs), "sides": sides, "passed": passed,
@@ -53,7 +53,8 @@ def markdown(rows: list[dict], commands: list[str]) -> str:
         s = r["sides"]
         lines.append([r["path"], *(f"{s[side]['yes']} / {s[side]['no']} / {s[side]['no verdict']}"
                                    for side in overhead.CALIBRATION),
-                      f"{s['a/a+3%']['injected_median']:.1%}, {s['a/a+10%']['injected_median']:.1%}",
+                      f"{s['a/a+3%']['spin_alone_median']:.1%}, {s['a/a+10%']['spin_alone_median']:.1%}",
+                      " / ".join(f"{s[side]['ratio_median']:.3f}" for side in overhead.CALIBRATION),
                       f"+-{r['noise_pct_median']:.1f}%", f"{r['detectable']:.1%}",
                       "yes" if r["passed"] else "**no**"])
     repeats = rows[0]["repeats"] if rows else 0
@@ -61,11 +62,13 @@ def markdown(rows: list[dict], commands: list[str]) -> str:
             f"{CLOCK} time, target {TARGET}): each repeat interleaves plain, plain again (A/A), and plain again "
             f"slowed by a busy-wait of 3% and 10% of the plain step, in the row's own blocks and rounds. Counts "
             f"are yes / no / no verdict. A row passes when the A/A pair never reads no in more than "
-            f"{1 - NEEDED:.0%} of repeats and the 10% slowdown reads no in at least {NEEDED:.0%}. Injected: the "
-            f"busy-wait against the rounds' own plain step (median over repeats). Noise: the median interval "
+            f"{1 - NEEDED:.0%} of repeats and the 10% slowdown reads no in at least {NEEDED:.0%}. The busy-wait "
+            f"is sized after the warm-up to 3% and 10% of the plain step; busy-wait alone: it timed again alone "
+            f"after the rounds, against the rounds' own plain step (median over repeats); ratio read: the median "
+            f"estimate of each side, which is what the slowdown came to inside the steps. Noise: the median interval "
             f"half-width. Smallest detectable: the slowdown that would read no in 9 of 10 repeats (3% plus the "
             f"90th percentile of how far an interval's lower end lies below its estimate).\n\n" +
-            table(["row", "A/A (0%)", "+3%", "+10%", "injected", "noise", "smallest detectable", "passes"], lines) +
+            table(["row", "A/A (0%)", "+3%", "+10%", "busy-wait alone (3, 10%)", "ratio read (0 / 3 / 10%)", "noise", "smallest detectable", "passes"], lines) +
             "\nCommands (one per repeat, S = 0..{}):\n\n".format(repeats - 1) +
             "".join(f"    {c}\n" for c in dict.fromkeys(commands)) + "\n")
 
@@ -84,7 +87,7 @@ def run(paths=tuple(overhead.ROWS), repeats: int = 10, quick: bool = False) -> s
         text = markdown(rows, commands)
         # rewritten after every row, so a run cut short keeps the rows it finished
         write("calibration", {"repeats": repeats, "quick": quick, "target": TARGET, "clock": CLOCK,
-                              "rows_config": {p: overhead.ROWS[p] for p in paths}, "commands": commands},
+                              "rows_config": {p: overhead.ROWS[p] for p in paths}, "commands": list(dict.fromkeys(commands))},
               rows + raw, text, quick=quick)
     return text
 

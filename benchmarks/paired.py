@@ -14,11 +14,13 @@ Verdict on a target (wrapped <= target x plain): "yes" when the interval's upper
 when its lower end is over it, "no verdict (noise +-X%)" otherwise, X the interval's half-width.
 
 Calibration (benchmarks/calibrate.py) uses `slowdown`: a test-only switch that adds a fixed busy-wait to every
-step of the sides named, `slowdown[name]` times the plain step's CPU time measured in the warm-up, so a side
-that does the same work as plain reads 1 + slowdown. The busy-wait is an empty Python loop of a fixed number
-of iterations, timed on this thread's CPU clock before the rounds: CPU work of a known amount, as wrapper code
-would be, not a sleep. What the plain step took over the rounds themselves can differ from the warm-up's
-figure; `measure` returns the fraction injected against the rounds' own plain step ("injected").
+step of the sides named, `slowdown[name]` times the plain step's CPU time measured after the warm-up, so a side
+that does the same work as plain reads about 1 + slowdown. The busy-wait is an empty Python loop of a fixed
+number of iterations, sized on the CPU clock before the rounds: CPU work of a known amount, as wrapper code
+would be, not a sleep. On a loaded machine the loop and the step both run at other speeds than when the loop was
+sized, so `measure` also times the loop alone after the rounds, against the rounds' own plain step
+("spin_alone"); a slowed copy of plain reads its own ratio beside it (within a step the loop costs more than
+alone, by cache and call effects: calibrate.md shows both).
 """
 import math
 import random
@@ -36,16 +38,26 @@ def spin(iterations: int) -> None:
         pass
 
 
-def spins_per_second(seconds: float = 0.2) -> float:
-    """How many spin iterations this thread runs per CPU second (the best of 5 tries)."""
-    best = 0.0
+def spins_per_second(seconds: float = 0.25) -> float:
+    """How many spin iterations this process runs per CPU second (the median of 5 tries)."""
+    rates = []
     for _ in range(5):
-        iterations, start = 0, time.thread_time()
-        while time.thread_time() - start < seconds / 5:
+        iterations, start = 0, time.process_time()
+        while time.process_time() - start < seconds / 5:
             spin(10_000)
             iterations += 10_000
-        best = max(best, iterations / (time.thread_time() - start))
-    return best
+        rates.append(iterations / (time.process_time() - start))
+    return statistics.median(rates)
+
+
+def spin_cost(iterations: int, steps: int, blocks: int = 5) -> float:
+    """CPU seconds that spin(iterations) takes, median of `blocks` blocks of `steps` calls."""
+    def block():
+        start = time.process_time()
+        for _ in range(steps):
+            spin(iterations)
+        return (time.process_time() - start) / steps
+    return statistics.median(block() for _ in range(blocks))
 
 
 def _block(step, steps: int) -> dict:
@@ -66,14 +78,14 @@ def with_slowdown(sides: dict, slowdown: dict, steps: int, warmup: int = 2, esti
     plain = [_block(sides["plain"], steps)["cpu"] for _ in range(estimate if slowdown else 0)]
     waits = {name: fraction * statistics.median(plain) for name, fraction in (slowdown or {}).items() if fraction}
     rate = spins_per_second() if waits else 0.0
+    spins = {name: round(wait * rate) for name, wait in waits.items()}
 
     def slowed(step, iterations):
         def run():
             step()
             spin(iterations)
         return run
-    return {name: slowed(step, round(waits[name] * rate)) if name in waits else step
-            for name, step in sides.items()}, waits
+    return {name: slowed(step, spins[name]) if name in spins else step for name, step in sides.items()}, spins
 
 
 def measure(sides: dict, rounds: int, steps: int, seed: int = 0, slowdown: dict | None = None,
@@ -81,7 +93,7 @@ def measure(sides: dict, rounds: int, steps: int, seed: int = 0, slowdown: dict 
     """Time `sides` ({"plain": fn, other: fn, ...}) in `rounds` rounds of one block of `steps` steps each.
     Returns per side: seconds per step of every block ("wall", "cpu"), and for sides other than plain,
     per clock the ratio estimate and interval (`summarize`); plus the orders and the busy-waits."""
-    sides, waits = with_slowdown(sides, slowdown, steps, warmup)
+    sides, spins = with_slowdown(sides, slowdown, steps, warmup)
     samples = {name: {clock: [] for clock in CLOCKS} for name in sides}
     names = list(sides)
     order, shuffle, orders = list(range(len(names))), random.Random(seed).shuffle, []
@@ -92,9 +104,10 @@ def measure(sides: dict, rounds: int, steps: int, seed: int = 0, slowdown: dict 
             for clock, seconds in _block(sides[name], steps).items():
                 samples[name][clock].append(seconds)
     plain_cpu = statistics.median(samples["plain"]["cpu"])
+    waits = {name: spin_cost(iterations, steps) for name, iterations in spins.items()}  # measured, after the rounds
     return {"samples": samples, "sides": names, "orders": orders, "busy_wait_s": waits, "rounds": rounds,
-            "steps": steps, "ratios": ratios(samples, seed),
-            "injected": {name: wait / plain_cpu for name, wait in waits.items()}}
+            "steps": steps, "ratios": ratios(samples, seed), "spins": spins,
+            "spin_alone": {name: wait / plain_cpu for name, wait in waits.items()}}
 
 
 def ratios(samples: dict, seed: int = 0) -> dict:

@@ -60,7 +60,7 @@ def test_the_two_model_rows_plain_side_does_the_wrapped_sides_work(path):
 def test_an_injected_slowdown_turns_the_verdict_to_no():
     """The test-only switch: a busy-wait of 30% of the plain step on the wrapped side, in a quick run."""
     row = overhead.run_row("32-true", quick=True, slowdown={"core": 0.3})
-    assert "--slowdown=core=0.3" in row["command"] and 0.15 < row["injected"]["core"] < 0.6
+    assert "--slowdown=core=0.3" in row["command"] and 0.15 < row["spin_alone"]["core"] < 0.6
     assert paired.verdict(row["ratios"]["core"][calibrate.CLOCK]["interval"], bench.OVERHEAD_TARGET) == "no"
 
 
@@ -76,7 +76,7 @@ def test_verdicts_are_taken_on_the_interval():
 
 def test_calibration_counts_verdicts_and_fails_a_row_that_cannot_tell_10_percent():
     def run(aa, slowed):
-        return {"injected": {"a/a+3%": 0.03, "a/a+10%": 0.1}, "ratios": {
+        return {"spin_alone": {"a/a+3%": 0.03, "a/a+10%": 0.1}, "ratios": {
             "a/a": {"cpu": {"ratio": 1.0, "interval": aa}},
             "a/a+3%": {"cpu": {"ratio": 1.03, "interval": [aa[0] + 0.03, aa[1] + 0.03]}},
             "a/a+10%": {"cpu": {"ratio": 1.1, "interval": slowed}}}}
