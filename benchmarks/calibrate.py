@@ -13,14 +13,15 @@ slowdown a row detects (paired.detectable): 3% plus the 90th percentile, over al
 interval's lower end lies below its estimate. Results: benchmarks/results/calibration.md and .json.
 """
 import argparse
+import json
 import statistics
 import sys
 
 from benchmarks import overhead, paired
-from benchmarks.record import table, uncommitted, write
+from benchmarks.record import environment, results_dir, table, uncommitted, write
 
 TARGET = 1.03
-CLOCK = "cpu"  # the clock the verdicts are taken on (paired.CLOCKS: the others are recorded beside it)
+CLOCK = "cpu"  # the clock of most verdicts (overhead.VERDICT_CLOCK: the others); all are recorded
 NEEDED = 0.9  # of the repeats: A/A never "no", the 10% slowdown "no"
 
 
@@ -29,8 +30,9 @@ def outcome(verdicts: list[str]) -> dict:
             "no verdict": sum(v.startswith("no verdict") for v in verdicts)}
 
 
-def summarize_row(path: str, runs: list[dict], clock: str = CLOCK) -> dict:
+def summarize_row(path: str, runs: list[dict], clock: str | None = None) -> dict:
     """Counts of each verdict per calibration side, the intervals' noise, and the smallest detectable slowdown."""
+    clock = clock or overhead.clock_of(path)
     sides, intervals, estimates = {}, [], []
     for side in overhead.CALIBRATION:
         ratios = [run["ratios"][side][clock] for run in runs]
@@ -51,29 +53,41 @@ def markdown(rows: list[dict], commands: list[str]) -> str:
     lines = []
     for r in rows:
         s = r["sides"]
-        lines.append([r["path"], *(f"{s[side]['yes']} / {s[side]['no']} / {s[side]['no verdict']}"
-                                   for side in overhead.CALIBRATION),
+        counts = [f"{s[side]['yes']} / {s[side]['no']} / {s[side]['no verdict']}" for side in overhead.CALIBRATION]
+        lines.append([r["path"], r.get("commit", ""), r["clock"], *counts,
                       f"{s['a/a+3%']['spin_alone_median']:.1%}, {s['a/a+10%']['spin_alone_median']:.1%}",
                       " / ".join(f"{s[side]['ratio_median']:.3f}" for side in overhead.CALIBRATION),
                       f"+-{r['noise_pct_median']:.1f}%", f"{r['detectable']:.1%}",
                       "yes" if r["passed"] else "**no**"])
     repeats = rows[0]["repeats"] if rows else 0
     return (f"Calibration of the overhead verdicts ({repeats} repeats per row, each a fresh process; verdicts on "
-            f"{CLOCK} time, target {TARGET}): each repeat interleaves plain, plain again (A/A), and plain again "
-            f"slowed by a busy-wait of 3% and 10% of the plain step, in the row's own blocks and rounds. Counts "
-            f"are yes / no / no verdict. A row passes when the A/A pair never reads no in more than "
-            f"{1 - NEEDED:.0%} of repeats and the 10% slowdown reads no in at least {NEEDED:.0%}. The busy-wait "
-            f"is sized after the warm-up to 3% and 10% of the plain step; busy-wait alone: it timed again alone "
-            f"after the rounds, against the rounds' own plain step (median over repeats); ratio read: the median "
-            f"estimate of each side, which is what the slowdown came to inside the steps. Noise: the median interval "
-            f"half-width. Smallest detectable: the slowdown that would read no in 9 of 10 repeats (3% plus the "
-            f"90th percentile of how far an interval's lower end lies below its estimate).\n\n" +
-            table(["row", "A/A (0%)", "+3%", "+10%", "busy-wait alone (3, 10%)", "ratio read (0 / 3 / 10%)", "noise", "smallest detectable", "passes"], lines) +
+            f"the row's clock: CPU time of the process, of the training thread for ddp; target {TARGET}): each "
+            f"repeat interleaves plain, plain again (A/A), and plain again slowed by a busy-wait of 3% and 10% of "
+            f"the plain step, in the row's own blocks and rounds. Counts are yes / no / no verdict. A row passes "
+            f"when the A/A pair reads no in at most {1 - NEEDED:.0%} of repeats and the 10% slowdown reads no in at "
+            f"least {NEEDED:.0%}. The busy-wait is sized after the warm-up to 3% and 10% of the plain step; "
+            f"busy-wait alone: it timed again alone after the rounds, against the rounds' own plain step (median "
+            f"over repeats); ratio read: the median estimate of each side, which is what the slowdown came to "
+            f"inside the steps. Noise: the median interval half-width. Smallest detectable: the slowdown that would "
+            f"read no in 9 of 10 repeats (3% plus the 90th percentile of how far an interval's lower end lies below "
+            f"its estimate).\n\n" +
+            table(["row", "commit", "clock", "A/A (0%)", "+3%", "+10%", "busy-wait alone (3, 10%)",
+                   "ratio read (0 / 3 / 10%)", "noise", "smallest detectable", "passes"], lines) +
             "\nCommands (one per repeat, S = 0..{}):\n\n".format(repeats - 1) +
             "".join(f"    {c}\n" for c in dict.fromkeys(commands)) + "\n")
 
 
 def run(paths=tuple(overhead.ROWS), repeats: int = 10, quick: bool = False) -> str:
+    """Calibrate `paths`; the rows of other paths in the results file are kept, each naming its commit."""
+    kept, kept_runs = [], []
+    saved = results_dir(quick) / "calibration.json"
+    if saved.exists():
+        previous = json.loads(saved.read_text())
+        for record in previous["rows"]:
+            if record["path"] not in paths:
+                record.setdefault("commit", previous["environment"]["commit"])
+                (kept_runs if "samples" in record else kept).append(record)
+    commit = environment()["commit"]
     rows, commands, raw = [], [], []
     for path in paths:
         runs = []
@@ -81,14 +95,19 @@ def run(paths=tuple(overhead.ROWS), repeats: int = 10, quick: bool = False) -> s
             print(f"calibrate: {path} repeat {seed + 1}/{repeats}", file=sys.stderr, flush=True)
             result = overhead.run_row(path, quick=quick, calibrate=True, seed=seed)
             commands.append(result["command"].replace(f"--seed {seed}", "--seed S"))
-            runs.append(result)
-        rows.append(summarize_row(path, runs))
+            runs.append({**result, "commit": commit})
+        rows.append({**summarize_row(path, runs), "commit": commit})
         raw += runs
-        text = markdown(rows, commands)
+        order = list(overhead.ROWS).index
+        every = sorted(kept + rows, key=lambda r: order(r["path"]))
+        every_commands = list(dict.fromkeys([r["command"].replace(f"--seed {r['seed']}", "--seed S")
+                                             for r in kept_runs] + commands))
+        text = markdown(every, every_commands)
         # rewritten after every row, so a run cut short keeps the rows it finished
-        write("calibration", {"repeats": repeats, "quick": quick, "target": TARGET, "clock": CLOCK,
-                              "rows_config": {p: overhead.ROWS[p] for p in paths}, "commands": list(dict.fromkeys(commands))},
-              rows + raw, text, quick=quick)
+        write("calibration", {"repeats": repeats, "quick": quick, "target": TARGET,
+                              "clocks": {p: overhead.clock_of(p) for p in overhead.ROWS},
+                              "rows_config": {p: overhead.ROWS[p] for p in overhead.ROWS}, "commands": every_commands},
+              every + kept_runs + raw, text, quick=quick)
     return text
 
 
@@ -102,7 +121,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     paths = args.rows.split(",")
     if set(paths) - set(overhead.ROWS):
-        parser.error(f"unknown row(s) {sorted(set(paths) - set(overhead.ROWS))}; choose from {', '.join(overhead.ROWS)}")
+        parser.error(f"unknown row(s) {sorted(set(paths) - set(overhead.ROWS))}; choose from "
+                     f"{', '.join(overhead.ROWS)}")
     if not args.quick and uncommitted():
         parser.error("a full run writes the committed results, which must come from a commit: commit (or stash) "
                      "the changes first, or pass --quick")

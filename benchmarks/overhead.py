@@ -50,7 +50,15 @@ def _step(model, optimizer, backward, x, y) -> None:
 ROWS = {  # path: (steps per block, rounds of a full run, of a quick one); a block is a few ms to one GAN step
     "32-true": (20, 200, 40), "bf16-mixed": (20, 200, 40), "16-mixed": (20, 200, 40), "ddp x2": (50, 100, 20),
     "gan 16-mixed": (1, 12, 4), "gan deepspeed_stage_2": (1, 80, 20)}
+# the clock each verdict is taken on (paired.CLOCKS), by what benchmarks/calibrate.py showed: CPU time of the
+# process; for ddp the training thread's of each rank, since gloo's own threads poll while a rank waits for the
+# other (at 100 rounds the ranks' process CPU read a 10% slowdown as 1.074 [+-6%]: "no" in 3 of 10 repeats)
+VERDICT_CLOCK = {"ddp x2": "thread"}
 CALIBRATION = {"a/a": 0.0, "a/a+3%": 0.03, "a/a+10%": 0.10}  # sides of a calibration run: plain again, slowed
+
+
+def clock_of(path: str) -> str:
+    return VERDICT_CLOCK.get(path, "cpu")
 
 
 def _sides(path: str, x, y) -> dict:
@@ -99,8 +107,9 @@ def measure_row(path: str, quick: bool = False, slowdown: dict | None = None, ca
         walk = {"graph_walk_us": sides.pop("graph_walk_us")} if "graph_walk_us" in sides else {}
         if calibrate:
             sides, slowdown = _calibration_sides(sides)
-        result = {**paired.measure(sides, rounds, steps, seed=seed, slowdown=slowdown), **walk}
-    return {"path": path, "quick": quick, "calibrate": calibrate, "slowdown": slowdown or {}, "seed": seed, **result}
+        result = {**paired.measure(sides, rounds, steps, seed=seed, slowdown=slowdown, clock=clock_of(path)), **walk}
+    return {"path": path, "clock": clock_of(path), "quick": quick, "calibrate": calibrate, "slowdown": slowdown or {},
+            "seed": seed, **result}
 
 
 def run_row(path: str, quick: bool = False, slowdown: dict | None = None, calibrate: bool = False,
@@ -154,7 +163,7 @@ def _mixed_variants(precision: str, x, y) -> dict:
 
 def ddp_row(rounds: int, steps: int, slowdown, calibrate: bool, seed: int) -> dict:
     """The ddp path on 2 spawned gloo processes of 1 thread, the same order of blocks on both: wall time of
-    rank 0, CPU time of both ranks added up."""
+    rank 0, CPU time (process, and training thread) of both ranks added up."""
     import torch.multiprocessing as mp
 
     from core.launcher import free_port
@@ -190,7 +199,8 @@ def _ddp_rank(rank: int, rounds: int, steps: int, slowdown, calibrate: bool, see
              "core": lambda: _step(model, optimizer, fabric.backward, x, y)}
     if calibrate:
         sides, slowdown = _calibration_sides(sides)
-    result = paired.measure(sides, rounds, steps, seed=seed, slowdown=slowdown)  # the same seed: the same order
+    # the same seed: the same order of blocks on both ranks
+    result = paired.measure(sides, rounds, steps, seed=seed, slowdown=slowdown, clock=clock_of("ddp x2"))
     queue.put({"rank": rank, "result": result})
     fabric.barrier()
     fabric.strategy.teardown()

@@ -69,13 +69,15 @@ def _block(step, steps: int) -> dict:
             "thread": (time.thread_time() - thread) / steps}
 
 
-def with_slowdown(sides: dict, slowdown: dict, steps: int, warmup: int = 2, estimate: int = 5) -> tuple[dict, dict]:
+def with_slowdown(sides: dict, slowdown: dict, steps: int, warmup: int = 2, estimate: int = 5,
+                  clock: str = "cpu") -> tuple[dict, dict]:
     """Warm every side up (`warmup` blocks each); return the sides with each `slowdown[name]` busy-wait added
-    to its step, and the busy-wait seconds per step by side (from the median of `estimate` more plain blocks)."""
+    to its step, and the spin iterations per step by side (sized on the median of `estimate` more plain blocks,
+    by `clock`)."""
     for _ in range(warmup):
         for step in sides.values():
             _block(step, steps)
-    plain = [_block(sides["plain"], steps)["cpu"] for _ in range(estimate if slowdown else 0)]
+    plain = [_block(sides["plain"], steps)[clock] for _ in range(estimate if slowdown else 0)]
     waits = {name: fraction * statistics.median(plain) for name, fraction in (slowdown or {}).items() if fraction}
     rate = spins_per_second() if waits else 0.0
     spins = {name: round(wait * rate) for name, wait in waits.items()}
@@ -89,11 +91,12 @@ def with_slowdown(sides: dict, slowdown: dict, steps: int, warmup: int = 2, esti
 
 
 def measure(sides: dict, rounds: int, steps: int, seed: int = 0, slowdown: dict | None = None,
-            warmup: int = 2) -> dict:
+            warmup: int = 2, clock: str = "cpu") -> dict:
     """Time `sides` ({"plain": fn, other: fn, ...}) in `rounds` rounds of one block of `steps` steps each.
     Returns per side: seconds per step of every block ("wall", "cpu"), and for sides other than plain,
-    per clock the ratio estimate and interval (`summarize`); plus the orders and the busy-waits."""
-    sides, spins = with_slowdown(sides, slowdown, steps, warmup)
+    per clock the ratio estimate and interval (`summarize`); plus the orders and the busy-waits, sized against
+    the plain step by `clock` (the clock the verdict is taken on)."""
+    sides, spins = with_slowdown(sides, slowdown, steps, warmup, clock=clock)
     samples = {name: {clock: [] for clock in CLOCKS} for name in sides}
     names = list(sides)
     order, shuffle, orders = list(range(len(names))), random.Random(seed).shuffle, []
@@ -103,7 +106,7 @@ def measure(sides: dict, rounds: int, steps: int, seed: int = 0, slowdown: dict 
         for name in (names[i] for i in order):
             for clock, seconds in _block(sides[name], steps).items():
                 samples[name][clock].append(seconds)
-    plain_cpu = statistics.median(samples["plain"]["cpu"])
+    plain_cpu = statistics.median(samples["plain"][clock])
     waits = {name: spin_cost(iterations, steps) for name, iterations in spins.items()}  # measured, after the rounds
     return {"samples": samples, "sides": names, "orders": orders, "busy_wait_s": waits, "rounds": rounds,
             "steps": steps, "ratios": ratios(samples, seed), "spins": spins,

@@ -61,7 +61,7 @@ def test_an_injected_slowdown_turns_the_verdict_to_no():
     """The test-only switch: a busy-wait of 30% of the plain step on the wrapped side, in a quick run."""
     row = overhead.run_row("32-true", quick=True, slowdown={"core": 0.3})
     assert "--slowdown=core=0.3" in row["command"] and 0.15 < row["spin_alone"]["core"] < 0.6
-    assert paired.verdict(row["ratios"]["core"][calibrate.CLOCK]["interval"], bench.OVERHEAD_TARGET) == "no"
+    assert paired.verdict(row["ratios"]["core"][row["clock"]]["interval"], bench.OVERHEAD_TARGET) == "no"
 
 
 def test_verdicts_are_taken_on_the_interval():
@@ -83,9 +83,10 @@ def test_calibration_counts_verdicts_and_fails_a_row_that_cannot_tell_10_percent
     sharp = calibrate.summarize_row("32-true", [run([0.99, 1.01], [1.08, 1.12])] * 10)
     assert sharp["passed"] and sharp["sides"]["a/a"]["yes"] == 10 and sharp["sides"]["a/a+10%"]["no"] == 10
     assert sharp["sides"]["a/a+3%"]["no verdict"] == 10 and sharp["detectable"] == pytest.approx(0.05)
-    blunt = calibrate.summarize_row("ddp x2", [run([0.9, 1.1], [1.0, 1.2])] * 9 + [run([1.04, 1.1], [1.1, 1.2])])
+    runs = [run([0.9, 1.1], [1.0, 1.2])] * 9 + [run([1.04, 1.1], [1.1, 1.2])]
+    blunt = calibrate.summarize_row("ddp x2", runs, "cpu")
     assert not blunt["passed"] and blunt["sides"]["a/a"]["no"] == 1 and blunt["sides"]["a/a+10%"]["no"] == 1
-    assert "| ddp x2 | 0 / 1 / 9 |" in calibrate.markdown([blunt], ["python -m benchmarks.overhead ddp x2"])
+    assert "| ddp x2 |  | cpu | 0 / 1 / 9 |" in calibrate.markdown([blunt], ["python -m benchmarks.overhead ddp x2"])
 
 
 def test_maml_speed_checks_meta_gradients_first_at_both_setups():
@@ -225,7 +226,7 @@ def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, 
     assert "default setup (25 tasks, 10 support and 100 query" in quick
     quick_overhead = (results / "quick" / "overhead.md").read_text()
     assert "| lightning | not installed: pip install -e '.[bench]' |" in quick_overhead
-    assert "| 32-true | core | 108 | 1.080 [1.050-1.110] | 1.080 [1.050-1.110] | 8 | **no** |" in quick_overhead
+    assert "| 32-true | core | 108 | 1.080 [1.050-1.110] | cpu | 1.080 [1.050-1.110] | 8 | **no** |" in quick_overhead
 
     with pytest.raises(SystemExit) as refused:  # without the bench extra a full run would drop the peer rows
         monkeypatch.setattr(bench, "missing_peers", lambda parts: ["higher"])
@@ -367,3 +368,23 @@ def test_overhead_without_lightning_shows_its_last_committed_figure(results):
         "lightning_earlier": "; at ea2c3c3: 1.263"}, "rows": []}))  # carried on by a later run without it
     assert bench._earlier_lightning_row() == "; at ea2c3c3: 1.263"
     assert bench.missing_peers(["overhead"]) == []  # so a full overhead run is not refused for it
+
+
+def test_calibrating_some_rows_keeps_the_others_with_their_commit(results, monkeypatch):
+    def run(path, seed=0, quick=False, calibrate=True):
+        ratio = {"ratio": 1.0, "interval": [0.99, 1.01]}
+        slowed = {"ratio": 1.1, "interval": [1.08, 1.12]}
+        return {"path": path, "seed": seed, "samples": {}, "spin_alone": {"a/a+3%": 0.03, "a/a+10%": 0.1},
+                "command": f"python -m benchmarks.overhead {path} --seed {seed} --calibrate",
+                "ratios": {"a/a": {"cpu": ratio, "thread": ratio}, "a/a+3%": {"cpu": ratio, "thread": ratio},
+                           "a/a+10%": {"cpu": slowed, "thread": slowed}}}
+    earlier = [calibrate.summarize_row("32-true", [run("32-true")] * 2), run("32-true")]
+    (results / "calibration.json").write_text(json.dumps({"environment": {"commit": "old1"}, "rows": earlier}))
+    monkeypatch.setattr(overhead, "run_row", run)
+    calibrate.run(["ddp x2"], repeats=2)
+    markdown = (results / "calibration.md").read_text()
+    assert "| 32-true | old1 | cpu | 2 / 0 / 0 |" in markdown and "| ddp x2 | " in markdown
+    assert "| thread | 2 / 0 / 0 | 2 / 0 / 0 | 0 / 2 / 0 |" in markdown
+    assert "python -m benchmarks.overhead 32-true --seed S --calibrate" in markdown
+    rows = json.loads((results / "calibration.json").read_text())["rows"]
+    assert [r["path"] for r in rows if "passed" in r] == ["32-true", "ddp x2"] and len(rows) == 2 + 1 + 2
