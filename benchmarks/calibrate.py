@@ -10,7 +10,8 @@ makes the true ratio known (1, 1.03, 1.10) whatever the wrapper costs. Each side
 verdict the overhead table uses (target 1.03). What a row must show: the A/A pair reads "yes" or "no verdict"
 (never "no") in at least 9 of 10 repeats, and the 10% slowdown reads "no" in at least 9 of 10. The smallest
 slowdown a row detects (paired.detectable): 3% plus the 90th percentile, over all its intervals, of how far an
-interval's lower end lies below its estimate. Results: benchmarks/results/calibration.md and .json.
+interval's lower end lies below its side's median estimate (interval width and scatter between repeats).
+Results: benchmarks/results/calibration.md and .json; `--summarize-again` recomputes them from the stored runs.
 """
 import argparse
 import json
@@ -38,7 +39,9 @@ def summarize_row(path: str, runs: list[dict], clock: str | None = None) -> dict
         ratios = [run["ratios"][side][clock] for run in runs]
         verdicts = [paired.verdict(r["interval"], TARGET) for r in ratios]
         intervals += [r["interval"] for r in ratios]
-        estimates += [r["ratio"] for r in ratios]
+        # the side's reading over the repeats: its intervals' lower ends below it hold both their width and
+        # the scatter of the estimates from repeat to repeat
+        estimates += [statistics.median(r["ratio"] for r in ratios)] * len(ratios)
         sides[side] = {"verdicts": verdicts, **outcome(verdicts),
                        "ratio_median": statistics.median(r["ratio"] for r in ratios),
                        "spin_alone_median": statistics.median(run["spin_alone"].get(side, 0.0) for run in runs)}
@@ -70,11 +73,28 @@ def markdown(rows: list[dict], commands: list[str]) -> str:
             f"over repeats); ratio read: the median estimate of each side, which is what the slowdown came to "
             f"inside the steps. Noise: the median interval half-width. Smallest detectable: the slowdown that would "
             f"read no in 9 of 10 repeats (3% plus the 90th percentile of how far an interval's lower end lies below "
-            f"its estimate).\n\n" +
+            f"its side's median estimate over the repeats).\n\n" +
             table(["row", "commit", "clock", "A/A (0%)", "+3%", "+10%", "busy-wait alone (3, 10%)",
                    "ratio read (0 / 3 / 10%)", "noise", "smallest detectable", "passes"], lines) +
             "\nCommands (one per repeat, S = 0..{}):\n\n".format(repeats - 1) +
             "".join(f"    {c}\n" for c in dict.fromkeys(commands)) + "\n")
+
+
+def resummarize(quick: bool = False) -> str:
+    """Summaries and markdown again from the runs a results file holds (each keeps the commit it ran at)."""
+    saved = results_dir(quick) / "calibration.json"
+    results = json.loads(saved.read_text())
+    runs = [r for r in results["rows"] if "samples" in r]
+    for run in runs:
+        run.setdefault("commit", results["environment"]["commit"])
+    paths = [p for p in overhead.ROWS if any(r["path"] == p for r in runs)]
+    rows = []
+    for path in paths:
+        mine = [r for r in runs if r["path"] == path]
+        rows.append({**summarize_row(path, mine), "commit": "/".join(dict.fromkeys(r["commit"] for r in mine))})
+    text = markdown(rows, results["config"]["commands"])
+    write("calibration", {**results["config"], "summarized_again": True}, rows + runs, text, quick=quick)
+    return text
 
 
 def run(paths=tuple(overhead.ROWS), repeats: int = 10, quick: bool = False) -> str:
@@ -118,6 +138,8 @@ def main(argv=None) -> None:
                         help=f"comma-separated overhead rows, of {', '.join(overhead.ROWS)}")
     parser.add_argument("--repeats", type=int, default=10, help="fresh processes per row")
     parser.add_argument("--quick", action="store_true", help="the quick run's rounds; writes results/quick/")
+    parser.add_argument("--summarize-again", action="store_true", help="measure nothing: the counts, noise and "
+                        "smallest detectable slowdown again from the runs in the results file (rows keep their commit)")
     args = parser.parse_args(argv)
     paths = args.rows.split(",")
     if set(paths) - set(overhead.ROWS):
@@ -126,7 +148,7 @@ def main(argv=None) -> None:
     if not args.quick and uncommitted():
         parser.error("a full run writes the committed results, which must come from a commit: commit (or stash) "
                      "the changes first, or pass --quick")
-    print(run(paths, args.repeats, args.quick))
+    print(resummarize(args.quick) if args.summarize_again else run(paths, args.repeats, args.quick))
 
 
 if __name__ == "__main__":
