@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 
-from benchmarks import cadence, calibrate, evaluation, maml_speed, overhead, paired, parity
+from benchmarks import cadence, evaluation, maml_speed, overhead, paired, parity
 from benchmarks.record import RESULTS, ROOT, bar_chart, environment, results_dir, table, uncommitted, write
 from benchmarks.workloads import WORKLOADS
 
@@ -41,27 +41,9 @@ def _interval(r: dict) -> str:
     return f"{r['ratio']:.3f} [{r['interval'][0]:.3f}-{r['interval'][1]:.3f}]"
 
 
-def _earlier_lightning_row() -> str:
-    """The last committed Lightning figure, where this environment cannot measure it (no bench extra)."""
-    try:
-        saved = json.loads((RESULTS / "overhead.json").read_text())
-    except (OSError, ValueError):
-        return ""
-    if "lightning_earlier" in saved["config"]:  # carried already by a run without Lightning
-        return saved["config"]["lightning_earlier"]
-    rows = [r for r in saved["rows"] if r.get("variant") == "lightning" or "lightning" in r.get("ratios", {})]
-    if not rows:
-        return ""
-    r = rows[0]
-    if "ratios" in r:
-        return f"; at {saved['environment']['commit']}: {_interval(r['ratios']['lightning'][calibrate.CLOCK])}"
-    return (f"; at {saved['environment']['commit']}: {r['ratio']['median']:.3f} (median of block ratios, "
-            f"[{r['ratio']['min']:.3f}-{r['ratio']['max']:.3f}] their range, the method before intervals)")
-
-
 def run_overhead(quick: bool) -> str:
     result = overhead.measure(quick=quick)
-    rows, walks, carried = [], [], {}
+    rows, walks = [], []
     for r in result["rows"]:
         clock = overhead.clock_of(r["path"])
         plain = r["ratios"]["core"][clock]["plain_s"] * 1e6
@@ -75,9 +57,8 @@ def run_overhead(quick: bool) -> str:
             walks.append(f"{r['path']} {r['graph_walk_us']:.0f} us ({r['graph_walk_us'] / plain:.2%} of the plain "
                          f"step)")
         if r["path"] == "32-true" and "lightning" not in r["ratios"]:
-            carried = {"lightning_earlier": _earlier_lightning_row()}
-            rows.append(["32-true", "lightning", NOT_INSTALLED + carried["lightning_earlier"], "", "", "", "", ""])
-    config = {**carried, "quick": quick, "rows": {r["path"]: {"steps_per_block": r["steps"], "rounds": r["rounds"]}
+            rows.append(["32-true", "lightning", NOT_INSTALLED, "", "", "", "", ""])
+    config = {"quick": quick, "rows": {r["path"]: {"steps_per_block": r["steps"], "rounds": r["rounds"]}
                                        for r in result["rows"]}, "commands": [r["command"] for r in result["rows"]]}
     imports = result["import"]
     markdown = ("Host overhead per step on each path where core does work, against plain PyTorch doing the same "
@@ -403,7 +384,7 @@ def update_readme(sections: dict) -> None:
     readme.write_text(text[:i] + "\n" + body + text[j:])
 
 
-PEERS = {"maml": "higher"}  # a part's peer row, from the bench extra (overhead shows the last Lightning figure)
+PEERS = {"overhead": "lightning", "maml": "higher"}  # a part's peer row, from the bench extra
 
 
 def missing_peers(parts) -> list[str]:

@@ -229,9 +229,9 @@ def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, 
     assert "| 32-true | core | 108 | 1.080 [1.050-1.110] | cpu | 1.080 [1.050-1.110] | 8 | **no** |" in quick_overhead
 
     with pytest.raises(SystemExit) as refused:  # without the bench extra a full run would drop the peer rows
-        monkeypatch.setattr(bench, "missing_peers", lambda parts: ["higher"])
-        bench.main(["--only", "maml"])
-    assert refused.value.code == 2 and full["maml_speed.md"].read_text() == "full run\n"
+        monkeypatch.setattr(bench, "missing_peers", lambda parts: ["lightning"])
+        bench.main(["--only", "overhead"])
+    assert refused.value.code == 2 and full["overhead.md"].read_text() == "full run\n"
     monkeypatch.setattr(bench, "missing_peers", lambda parts: [])  # as with the bench extra installed
     bench.main(["--only", "overhead"])  # a full run of a part: its result files and its README table
     assert "### overhead" in readme.read_text() and "full run" not in full["overhead.md"].read_text()
@@ -357,17 +357,6 @@ def test_gpu_check_without_a_gpu_says_so(monkeypatch):
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="torch sees no CUDA device; run it on a machine with a GPU"):
         gpu_check.main([])
-
-
-def test_overhead_without_lightning_shows_its_last_committed_figure(results):
-    (results / "overhead.json").write_text(json.dumps({"environment": {"commit": "ea2c3c3"}, "config": {}, "rows": [
-        {"path": "32-true", "variant": "lightning", "ratio": {"median": 1.263, "min": 0.818, "max": 2.103}}]}))
-    assert bench._earlier_lightning_row() == ("; at ea2c3c3: 1.263 (median of block ratios, [0.818-2.103] their "
-                                              "range, the method before intervals)")
-    (results / "overhead.json").write_text(json.dumps({"environment": {"commit": "b"}, "config": {
-        "lightning_earlier": "; at ea2c3c3: 1.263"}, "rows": []}))  # carried on by a later run without it
-    assert bench._earlier_lightning_row() == "; at ea2c3c3: 1.263"
-    assert bench.missing_peers(["overhead"]) == []  # so a full overhead run is not refused for it
 
 
 def test_calibrating_some_rows_keeps_the_others_with_their_commit(results, monkeypatch):
