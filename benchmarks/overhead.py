@@ -1,23 +1,29 @@
-"""The wrapper's host overhead per training step on a tiny, host-bound model (2-layer MLP, batch 8, SGD),
-on every path where core does work, each against the plain PyTorch that does the same:
+"""The wrapper's host overhead per training step, on every path where core does work, each against the plain
+PyTorch that does the same:
 
-- 32-true on one device (core hands back the original module's forward, optimizer step and backward);
+- 32-true on one device, a 2-layer MLP (batch 8, SGD): core hands back the original module's forward,
+  optimizer step and backward;
 - bf16-mixed (core: autocast inside the wrapper's forward, the output cast back to float32; plain: the
   same autocast written around the forward, the same cast);
-- 16-mixed (core: one GradScaler per optimizer, found from the loss's graph by fabric.backward, stepped
-  by the wrapped optimizer; plain: a GradScaler written out);
+- 16-mixed (core: one GradScaler per optimizer, stepped by the wrapped optimizer; plain: a GradScaler
+  written out);
 - ddp on 2 gloo processes (core: the DDP wrapper called through the set-up module and its submodule
-  guard; plain: DistributedDataParallel called directly).
+  guard; plain: DistributedDataParallel called directly);
+- the GAN's two models and two optimizers in 16-mixed and DeepSpeed ZeRO-2, where fabric.backward searches
+  the loss's graph for its model (benchmarks/two_models.py).
 
-The variants of a path drive the same model and optimizer objects where they can (one device), so memory
-layout cannot favour one; only the code between the loop and torch differs. They run in blocks, in a new
-random order each round after a warm-up (the same order on both ranks under ddp), so drift in the
-machine's speed hits all; each block's time per step is one sample, and ratios are taken block by block.
-Lightning Fabric is measured the same way on the 32-true path when `lightning` is installed. Also: how
-long `import core` takes against `import torch`, and what the loops' stop decision costs.
+    python -m benchmarks.overhead 32-true                   # one path, prints one RESULT line (json)
+    python -m benchmarks.overhead "gan 16-mixed" --quick --slowdown core=0.3   # test-only: core 30% slower
+
+Each path runs in a process of its own (`run_row`); its variants are interleaved there in short blocks on the
+same data (benchmarks/paired.py: paired ratios per round, a bootstrap interval, verdicts on it). On one
+device the MLP variants drive the same model and optimizer objects, so memory layout cannot favour one.
+Lightning Fabric is measured the same way on the 32-true path when `lightning` is installed. Also: how long
+`import core` takes against `import torch`, and what the loops' stop decision costs.
 """
-import random
-import statistics
+import argparse
+import json
+import os
 import subprocess
 import sys
 import time
@@ -26,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import paired
 from benchmarks.record import ROOT, spread
 
 
@@ -40,28 +47,90 @@ def _step(model, optimizer, backward, x, y) -> None:
     optimizer.step()
 
 
-def _timed(step, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - start) / steps
+ROWS = {  # path: (steps per block, rounds of a full run, of a quick one); a block is a few ms to one GAN step
+    "32-true": (20, 200, 40), "bf16-mixed": (20, 200, 40), "16-mixed": (20, 200, 40), "ddp x2": (50, 100, 20),
+    "gan 16-mixed": (1, 12, 4), "gan deepspeed_stage_2": (1, 80, 20)}
+# the clock each verdict is taken on (paired.CLOCKS), by what benchmarks/calibrate.py showed: CPU time of the
+# process; for ddp the training thread's of each rank, since gloo's own threads poll while a rank waits for the
+# other (at 100 rounds the ranks' process CPU read a 10% slowdown as 1.074 [+-6%]: "no" in 3 of 10 repeats)
+VERDICT_CLOCK = {"ddp x2": "thread"}
+CALIBRATION = {"a/a": 0.0, "a/a+3%": 0.03, "a/a+10%": 0.10}  # sides of a calibration run: plain again, slowed
 
 
-def _blocks(variants: dict, blocks: int, steps: int, path: str) -> list[dict]:
-    """Rows of one path: every variant (a function doing one training step) timed in blocks, in a random
-    order each round (seeded: every rank runs the same order), ratios to "plain" block by block."""
-    for step in variants.values():  # warm-up
-        _timed(step, steps)
-    samples = {name: [] for name in variants}
-    order, shuffle = list(variants), random.Random(0).shuffle
-    for _ in range(blocks):
-        shuffle(order)
-        for name in order:
-            samples[name].append(_timed(variants[name], steps) * 1e6)
-    plain = statistics.median(samples["plain"])
-    return [{"path": path, "variant": name, "us_per_step": spread(values),
-             "ratio": spread([v / p for v, p in zip(values, samples["plain"])]),
-             "overhead_us": statistics.median(values) - plain} for name, values in samples.items()]
+def clock_of(path: str) -> str:
+    return VERDICT_CLOCK.get(path, "cpu")
+
+
+def _sides(path: str, x, y) -> dict:
+    """One training step of each variant of `path` (not ddp: see _ddp_rank), built in this process."""
+    from core import Fabric
+
+    if path.startswith("gan "):
+        from benchmarks import two_models
+        built = two_models.SIDES[path]()
+        # what fabric.backward's search of the loss's graph for its model takes, alone (absolute, not a ratio)
+        return {"plain": built["plain"], "core": built["wrapped"], "graph_walk_us": two_models.graph_walk_us(built)}
+    if path != "32-true":
+        return _mixed_variants(path, x, y)
+    model = _model()  # the variants drive the same model and optimizer objects
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    fabric = Fabric(accelerator="cpu")
+    variants = {"plain": (model, optimizer, lambda loss: loss.backward()),
+                "core": (*fabric.setup(model, optimizer), fabric.backward)}
+    try:
+        from lightning.fabric import Fabric as LightningFabric
+        lightning = LightningFabric(accelerator="cpu", devices=1)
+        variants["lightning"] = (*lightning.setup(model, optimizer), lightning.backward)
+    except ImportError:
+        pass
+    return {name: (lambda v=v: _step(*v, x, y)) for name, v in variants.items()}
+
+
+def _calibration_sides(sides: dict) -> tuple[dict, dict]:
+    """Plain, and plain again as each CALIBRATION side (the A/A pair, and the A/A pair slowed by a known
+    fraction): (sides, slowdown by side)."""
+    return {"plain": sides["plain"], **{name: sides["plain"] for name in CALIBRATION}}, dict(CALIBRATION)
+
+
+def measure_row(path: str, quick: bool = False, slowdown: dict | None = None, calibrate: bool = False,
+                seed: int = 0, rounds: int | None = None) -> dict:
+    """One path in this process (ddp: on 2 spawned ranks): the variants' blocks interleaved (benchmarks/paired.py).
+    `slowdown` {side: fraction}: the test-only busy-wait, e.g. {"core": 0.3}; `calibrate`: measure the
+    calibration sides instead of the variants."""
+    steps, full_rounds, quick_rounds = ROWS[path]
+    rounds = rounds or (quick_rounds if quick else full_rounds)
+    torch.set_num_threads(1)
+    if path == "ddp x2":
+        result = ddp_row(rounds, steps, slowdown, calibrate, seed)
+    else:
+        sides = _sides(path, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+        walk = {"graph_walk_us": sides.pop("graph_walk_us")} if "graph_walk_us" in sides else {}
+        if calibrate:
+            sides, slowdown = _calibration_sides(sides)
+        result = {**paired.measure(sides, rounds, steps, seed=seed, slowdown=slowdown, clock=clock_of(path)), **walk}
+    return {"path": path, "clock": clock_of(path), "quick": quick, "calibrate": calibrate, "slowdown": slowdown or {},
+            "seed": seed, **result}
+
+
+def run_row(path: str, quick: bool = False, slowdown: dict | None = None, calibrate: bool = False,
+            seed: int = 0, rounds: int | None = None) -> dict:
+    """measure_row in a fresh process of its own (`python -m benchmarks.overhead PATH`)."""
+    command = [sys.executable, "-m", "benchmarks.overhead", path, "--seed", str(seed)] + \
+        (["--quick"] if quick else []) + (["--calibrate"] if calibrate else []) + \
+        ([f"--rounds={rounds}"] if rounds else []) + \
+        [f"--slowdown={side}={fraction}" for side, fraction in (slowdown or {}).items()]
+    output = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    lines = [line for line in output.stdout.splitlines() if line.startswith("RESULT ")]
+    if output.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{output.stderr[-3000:]}")
+    return {"command": "python " + " ".join(command[1:]), **json.loads(lines[-1][len("RESULT "):])}
+
+
+def measure(quick: bool = False, import_repeats: int = 7, paths=tuple(ROWS)) -> dict:
+    """Every path's rows, each path in its own process, then the import times and the stop decision."""
+    rows = [run_row(path, quick) for path in paths]
+    return {"rows": rows, "import": import_times(import_repeats), "stop_check": stop_check_cost()}
 
 
 def _mixed_variants(precision: str, x, y) -> dict:
@@ -92,42 +161,25 @@ def _mixed_variants(precision: str, x, y) -> dict:
     return {"plain": plain, "core": lambda: _step(wrapped, wrapped_optimizer, fabric.backward, x, y)}
 
 
-def measure(blocks: int = 30, steps: int = 200, import_repeats: int = 7) -> dict:
-    torch.set_num_threads(1)
-    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    variants = {"plain": (model, optimizer, lambda loss: loss.backward())}
-
-    from core import Fabric
-    fabric = Fabric(accelerator="cpu")
-    variants["core"] = (*fabric.setup(model, optimizer), fabric.backward)
-    try:
-        from lightning.fabric import Fabric as LightningFabric
-        lightning = LightningFabric(accelerator="cpu", devices=1)
-        variants["lightning"] = (*lightning.setup(model, optimizer), lightning.backward)
-    except ImportError:
-        pass
-    rows = _blocks({name: (lambda v=v: _step(*v, x, y)) for name, v in variants.items()}, blocks, steps, "32-true")
-    for precision in ("bf16-mixed", "16-mixed"):
-        rows += _blocks(_mixed_variants(precision, x, y), blocks, steps, precision)
-    rows += ddp_rows(blocks, steps)
-    return {"rows": rows, "import": import_times(import_repeats), "stop_check": stop_check_cost()}
-
-
-def ddp_rows(blocks: int, steps: int) -> list[dict]:
-    """The ddp path, measured on 2 spawned gloo processes of 1 thread; rank 0's rows."""
+def ddp_row(rounds: int, steps: int, slowdown, calibrate: bool, seed: int) -> dict:
+    """The ddp path on 2 spawned gloo processes of 1 thread, the same order of blocks on both: wall time of
+    rank 0, CPU time (process, and training thread) of both ranks added up."""
     import torch.multiprocessing as mp
 
     from core.launcher import free_port
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_ddp_rank, args=(blocks, steps, free_port(), queue), nprocs=2, start_method="spawn")
-    return queue.get()
+    mp.start_processes(_ddp_rank, args=(rounds, steps, slowdown, calibrate, seed, free_port(), queue), nprocs=2,
+                       start_method="spawn")
+    results = sorted((queue.get(), queue.get()), key=lambda r: r["rank"])
+    first, second = results[0]["result"], results[1]["result"]
+    samples = {name: {"wall": first["samples"][name]["wall"],
+                      **{clock: [a + b for a, b in zip(first["samples"][name][clock], second["samples"][name][clock])]
+                         for clock in ("cpu", "thread")}}
+               for name in first["samples"]}
+    return {**first, "samples": samples, "ratios": paired.ratios(samples, seed)}
 
 
-def _ddp_rank(rank: int, blocks: int, steps: int, port: int, queue) -> None:
-    import os
-
+def _ddp_rank(rank: int, rounds: int, steps: int, slowdown, calibrate: bool, seed: int, port: int, queue) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from core import Fabric
@@ -143,11 +195,13 @@ def _ddp_rank(rank: int, blocks: int, steps: int, port: int, queue) -> None:
     plain_optimizer = torch.optim.SGD(plain_model.parameters(), lr=0.01)
     model = _model()
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    variants = {"plain": lambda: _step(plain_model, plain_optimizer, lambda loss: loss.backward(), x, y),
-                "core": lambda: _step(model, optimizer, fabric.backward, x, y)}
-    rows = _blocks(variants, blocks, steps, "ddp x2")
-    if rank == 0:
-        queue.put(rows)
+    sides = {"plain": lambda: _step(plain_model, plain_optimizer, lambda loss: loss.backward(), x, y),
+             "core": lambda: _step(model, optimizer, fabric.backward, x, y)}
+    if calibrate:
+        sides, slowdown = _calibration_sides(sides)
+    # the same seed: the same order of blocks on both ranks
+    result = paired.measure(sides, rounds, steps, seed=seed, slowdown=slowdown, clock=clock_of("ddp x2"))
+    queue.put({"rank": rank, "result": result})
     fabric.barrier()
     fabric.strategy.teardown()
     os._exit(0)
@@ -211,3 +265,26 @@ def import_times(repeats: int = 7) -> dict:
             values.append(time.perf_counter() - start)
     torch_time, core_time = spread(seconds["import torch"]), spread(seconds["import core"])
     return {"torch_s": torch_time, "core_s": core_time, "ratio": core_time["median"] / torch_time["median"]}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", choices=list(ROWS), help="the path to measure; prints one RESULT line (json)")
+    parser.add_argument("--quick", action="store_true", help="the quick run's rounds (ROWS)")
+    parser.add_argument("--rounds", type=int, help="rounds of blocks (default: the row's, ROWS)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the blocks' order and of the bootstrap")
+    parser.add_argument("--calibrate", action="store_true", help="measure plain against plain again, and plain "
+                        f"again slowed by {', '.join(f'{f:.0%}' for f in CALIBRATION.values() if f)} (the A/A pair "
+                        "and the calibration; benchmarks/calibrate.py)")
+    parser.add_argument("--slowdown", action="append", default=[], metavar="SIDE=FRACTION",
+                        help="test-only: add a busy-wait of FRACTION x the plain step's CPU time to every step of "
+                             "SIDE (e.g. core=0.3), to check that the verdict turns to no")
+    args = parser.parse_args(argv)
+    slowdown = {side: float(fraction) for side, fraction in (item.split("=") for item in args.slowdown)}
+    result = measure_row(args.path, args.quick, slowdown, args.calibrate, args.seed, args.rounds)
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

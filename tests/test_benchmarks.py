@@ -2,13 +2,14 @@
 as failing. No timing is asserted here."""
 import dataclasses
 import json
+import os
 import random
 import re
 from pathlib import Path
 
 import pytest
 
-from benchmarks import maml_speed, overhead, parity, record
+from benchmarks import calibrate, maml_speed, overhead, paired, parity, record
 from benchmarks import run as bench
 from benchmarks.workloads import WORKLOADS
 
@@ -30,19 +31,63 @@ def test_a_full_run_from_uncommitted_code_is_refused(results, monkeypatch, capsy
 
 
 @pytest.mark.slow
-def test_overhead_measures_every_variant(results):
-    result = overhead.measure(blocks=2, steps=5, import_repeats=1)
-    names = [row["variant"] for row in result["rows"]]
-    assert names[:2] == ["plain", "core"]
-    paths = {}
-    for row in result["rows"]:
-        paths.setdefault(row["path"], []).append(row["variant"])
-    assert list(paths) == ["32-true", "bf16-mixed", "16-mixed", "ddp x2"]  # every path where core does work
-    assert all(variants[:2] == ["plain", "core"] for variants in paths.values())
-    for row in result["rows"]:
-        assert row["us_per_step"]["median"] > 0 and row["ratio"]["n"] == 2
+def test_overhead_measures_every_path_in_interleaved_blocks():
+    for path in overhead.ROWS:
+        row = overhead.run_row(path, rounds=2)  # its own process, as a full run takes it
+        assert row["command"].startswith(f"python -m benchmarks.overhead {path}")
+        assert list(row["samples"])[:2] == ["plain", "core"] and len(row["orders"]) == 2
+        for clock in paired.CLOCKS:
+            ratio = row["ratios"]["core"][clock]
+            assert ratio["rounds"] == 2 and ratio["interval"][0] <= ratio["ratio"] <= ratio["interval"][1]
+        assert ("graph_walk_us" in row) == path.startswith("gan ")
+    result = overhead.measure(quick=True, import_repeats=1, paths=())
     assert result["import"]["ratio"] > 0
     assert result["stop_check"]["one_process_us"]["median"] > 0 < result["stop_check"]["two_processes_us"]["median"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["gan deepspeed_stage_2", "gan 16-mixed"])
+def test_the_two_model_rows_plain_side_does_the_wrapped_sides_work(path):
+    """Bitwise the same weights after 2 steps of each: the ratio is the wrapper's cost, not other arithmetic."""
+    import subprocess
+    import sys
+    code = f"from benchmarks import two_models; print(two_models.same_work({path!r}, steps=2))"
+    output = subprocess.run([sys.executable, "-c", code], cwd=record.ROOT, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(record.ROOT), "OMP_NUM_THREADS": "1"}, check=True)
+    assert float(output.stdout.split()[-1]) == 0.0
+
+
+@pytest.mark.slow
+def test_an_injected_slowdown_turns_the_verdict_to_no():
+    """The test-only switch: a busy-wait of 30% of the plain step on the wrapped side, in a quick run."""
+    row = overhead.run_row("32-true", quick=True, slowdown={"core": 0.3})
+    assert "--slowdown=core=0.3" in row["command"] and 0.15 < row["spin_alone"]["core"] < 0.6
+    assert paired.verdict(row["ratios"]["core"][row["clock"]]["interval"], bench.OVERHEAD_TARGET) == "no"
+
+
+def test_verdicts_are_taken_on_the_interval():
+    assert paired.verdict([0.98, 1.02], 1.03) == "yes"
+    assert paired.verdict([1.04, 1.10], 1.03) == "no"
+    assert paired.verdict([1.00, 1.06], 1.03) == "no verdict (noise +-3.0%)"
+    plain, slower = [1.0, 1.1, 0.9, 1.0, 1.05] * 8, [1.2, 1.32, 1.08, 1.2, 1.26] * 8  # 20% slower, paired by round
+    summary = paired.summarize(slower, plain)
+    assert summary["ratio"] == pytest.approx(1.2) and summary["interval"] == pytest.approx([1.2, 1.2])
+    assert paired.detectable([[0.98, 1.02]] * 10, [1.0] * 10, 1.03) == pytest.approx(0.05)
+
+
+def test_calibration_counts_verdicts_and_fails_a_row_that_cannot_tell_10_percent():
+    def run(aa, slowed):
+        return {"spin_alone": {"a/a+3%": 0.03, "a/a+10%": 0.1}, "ratios": {
+            "a/a": {"cpu": {"ratio": 1.0, "interval": aa}},
+            "a/a+3%": {"cpu": {"ratio": 1.03, "interval": [aa[0] + 0.03, aa[1] + 0.03]}},
+            "a/a+10%": {"cpu": {"ratio": 1.1, "interval": slowed}}}}
+    sharp = calibrate.summarize_row("32-true", [run([0.99, 1.01], [1.08, 1.12])] * 10)
+    assert sharp["passed"] and sharp["sides"]["a/a"]["yes"] == 10 and sharp["sides"]["a/a+10%"]["no"] == 10
+    assert sharp["sides"]["a/a+3%"]["no verdict"] == 10 and sharp["detectable"] == pytest.approx(0.05)
+    runs = [run([0.9, 1.1], [1.0, 1.2])] * 9 + [run([1.04, 1.1], [1.1, 1.2])]
+    blunt = calibrate.summarize_row("ddp x2", runs, "cpu")
+    assert not blunt["passed"] and blunt["sides"]["a/a"]["no"] == 1 and blunt["sides"]["a/a+10%"]["no"] == 1
+    assert "| ddp x2 |  | cpu | 0 / 1 / 9 |" in calibrate.markdown([blunt], ["python -m benchmarks.overhead ddp x2"])
 
 
 def test_maml_speed_checks_meta_gradients_first_at_both_setups():
@@ -187,8 +232,10 @@ def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, 
     for path in full.values():
         path.write_text("full run\n")
     timing = {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}
-    monkeypatch.setattr(overhead, "measure", lambda blocks: {  # no Lightning: its row says so
-        "rows": [{"variant": v, "us_per_step": timing, "ratio": timing, "overhead_us": 0.0} for v in ("plain", "core")],
+    slow = {"ratio": 1.08, "interval": [1.05, 1.11], "side_s": 1.08e-4, "plain_s": 1e-4}
+    monkeypatch.setattr(overhead, "measure", lambda quick: {  # no Lightning: its row says so; core 5-11% slower
+        "rows": [{"path": "32-true", "steps": 20, "rounds": 40, "command": "python -m benchmarks.overhead 32-true",
+                  "ratios": {"core": {"cpu": slow, "wall": slow}}}],
         "import": {"core_s": timing, "torch_s": timing, "ratio": 1.0},
         "stop_check": {"one_process_us": timing, "two_processes_us": timing}})
     setup = {"tasks": 25, "shots": 10, "queries": 10, "orders": [["vmap (torch.func)", "per-task autograd loop"]],
@@ -212,7 +259,9 @@ def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, 
     assert "| per-task higher loop | not installed: pip install -e '.[bench]' |" in quick
     assert "paper setup (25 tasks, 10 support and 10 query" in quick
     assert "default setup (25 tasks, 10 support and 100 query" in quick
-    assert "| lightning | not installed: pip install -e '.[bench]' |" in (results / "quick" / "overhead.md").read_text()
+    quick_overhead = (results / "quick" / "overhead.md").read_text()
+    assert "| lightning | not installed: pip install -e '.[bench]' |" in quick_overhead
+    assert "| 32-true | core | 108 | 1.080 [1.050-1.110] | cpu | 1.080 [1.050-1.110] | 8 | **no** |" in quick_overhead
 
     with pytest.raises(SystemExit) as refused:  # without the bench extra a full run would drop the peer rows
         monkeypatch.setattr(bench, "missing_peers", lambda parts: ["lightning"])
@@ -343,3 +392,23 @@ def test_gpu_check_without_a_gpu_says_so(monkeypatch):
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="torch sees no CUDA device; run it on a machine with a GPU"):
         gpu_check.main([])
+
+
+def test_calibrating_some_rows_keeps_the_others_with_their_commit(results, monkeypatch):
+    def run(path, seed=0, quick=False, calibrate=True):
+        ratio = {"ratio": 1.0, "interval": [0.99, 1.01]}
+        slowed = {"ratio": 1.1, "interval": [1.08, 1.12]}
+        return {"path": path, "seed": seed, "samples": {}, "spin_alone": {"a/a+3%": 0.03, "a/a+10%": 0.1},
+                "command": f"python -m benchmarks.overhead {path} --seed {seed} --calibrate",
+                "ratios": {"a/a": {"cpu": ratio, "thread": ratio}, "a/a+3%": {"cpu": ratio, "thread": ratio},
+                           "a/a+10%": {"cpu": slowed, "thread": slowed}}}
+    earlier = [calibrate.summarize_row("32-true", [run("32-true")] * 2), run("32-true")]
+    (results / "calibration.json").write_text(json.dumps({"environment": {"commit": "old1"}, "rows": earlier}))
+    monkeypatch.setattr(overhead, "run_row", run)
+    calibrate.run(["ddp x2"], repeats=2)
+    markdown = (results / "calibration.md").read_text()
+    assert "| 32-true | old1 | cpu | 2 / 0 / 0 |" in markdown and "| ddp x2 | " in markdown
+    assert "| thread | 2 / 0 / 0 | 2 / 0 / 0 | 0 / 2 / 0 |" in markdown
+    assert "python -m benchmarks.overhead 32-true --seed S --calibrate" in markdown
+    rows = json.loads((results / "calibration.json").read_text())["rows"]
+    assert [r["path"] for r in rows if "passed" in r] == ["32-true", "ddp x2"] and len(rows) == 2 + 1 + 2

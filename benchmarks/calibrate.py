@@ -1,0 +1,155 @@
+"""Calibration of the overhead verdicts: can each row of benchmarks/overhead.py tell a slowdown on this machine?
+
+    python -m benchmarks.calibrate                       # every row, 10 repeats, the full run's rounds
+    python -m benchmarks.calibrate --rows 32-true --repeats 3 --quick
+
+Each repeat is one fresh process (`python -m benchmarks.overhead PATH --calibrate --seed S`) that interleaves
+four sides in the row's blocks: plain, plain again (the A/A pair), and plain again slowed by a busy-wait of 3%
+and of 10% of the plain step (benchmarks/paired.py). Slowing a copy of plain, rather than the wrapped side,
+makes the true ratio known (1, 1.03, 1.10) whatever the wrapper costs. Each side's ratio to plain gets the
+verdict the overhead table uses (target 1.03). What a row must show: the A/A pair reads "yes" or "no verdict"
+(never "no") in at least 9 of 10 repeats, and the 10% slowdown reads "no" in at least 9 of 10. The smallest
+slowdown a row detects (paired.detectable): 3% plus the 90th percentile, over all its intervals, of how far an
+interval's lower end lies below its side's median estimate (interval width and scatter between repeats).
+Results: benchmarks/results/calibration.md and .json; `--summarize-again` recomputes them from the stored runs.
+"""
+import argparse
+import json
+import statistics
+import sys
+
+from benchmarks import overhead, paired
+from benchmarks.record import environment, results_dir, table, uncommitted, write
+
+TARGET = 1.03
+CLOCK = "cpu"  # the clock of most verdicts (overhead.VERDICT_CLOCK: the others); all are recorded
+NEEDED = 0.9  # of the repeats: A/A never "no", the 10% slowdown "no"
+
+
+def outcome(verdicts: list[str]) -> dict:
+    return {"yes": verdicts.count("yes"), "no": verdicts.count("no"),
+            "no verdict": sum(v.startswith("no verdict") for v in verdicts)}
+
+
+def summarize_row(path: str, runs: list[dict], clock: str | None = None) -> dict:
+    """Counts of each verdict per calibration side, the intervals' noise, and the smallest detectable slowdown."""
+    clock = clock or overhead.clock_of(path)
+    sides, intervals, estimates = {}, [], []
+    for side in overhead.CALIBRATION:
+        ratios = [run["ratios"][side][clock] for run in runs]
+        verdicts = [paired.verdict(r["interval"], TARGET) for r in ratios]
+        intervals += [r["interval"] for r in ratios]
+        # the side's reading over the repeats: its intervals' lower ends below it hold both their width and
+        # the scatter of the estimates from repeat to repeat
+        estimates += [statistics.median(r["ratio"] for r in ratios)] * len(ratios)
+        sides[side] = {"verdicts": verdicts, **outcome(verdicts),
+                       "ratio_median": statistics.median(r["ratio"] for r in ratios),
+                       "spin_alone_median": statistics.median(run["spin_alone"].get(side, 0.0) for run in runs)}
+    aa, slowed = sides["a/a"], sides["a/a+10%"]
+    passed = aa["no"] <= (1 - NEEDED) * len(runs) and slowed["no"] >= NEEDED * len(runs)
+    return {"path": path, "clock": clock, "repeats": len(runs), "sides": sides, "passed": passed,
+            "noise_pct_median": statistics.median(paired.noise(i) for i in intervals),
+            "detectable": paired.detectable(intervals, estimates, TARGET)}
+
+
+def markdown(rows: list[dict], commands: list[str]) -> str:
+    lines = []
+    for r in rows:
+        s = r["sides"]
+        counts = [f"{s[side]['yes']} / {s[side]['no']} / {s[side]['no verdict']}" for side in overhead.CALIBRATION]
+        lines.append([r["path"], r.get("commit", ""), r["clock"], *counts,
+                      f"{s['a/a+3%']['spin_alone_median']:.1%}, {s['a/a+10%']['spin_alone_median']:.1%}",
+                      " / ".join(f"{s[side]['ratio_median']:.3f}" for side in overhead.CALIBRATION),
+                      f"+-{r['noise_pct_median']:.1f}%", f"{r['detectable']:.1%}",
+                      "yes" if r["passed"] else "**no**"])
+    repeats = rows[0]["repeats"] if rows else 0
+    return (f"Calibration of the overhead verdicts ({repeats} repeats per row, each a fresh process; verdicts on "
+            f"the row's clock: CPU time of the process, of the training thread for ddp; target {TARGET}): each "
+            f"repeat interleaves plain, plain again (A/A), and plain again slowed by a busy-wait of 3% and 10% of "
+            f"the plain step, in the row's own blocks and rounds. Counts are yes / no / no verdict. A row passes "
+            f"when the A/A pair reads no in at most {1 - NEEDED:.0%} of repeats and the 10% slowdown reads no in at "
+            f"least {NEEDED:.0%}. The busy-wait is sized after the warm-up to 3% and 10% of the plain step; "
+            f"busy-wait alone: it timed again alone after the rounds, against the rounds' own plain step (median "
+            f"over repeats); ratio read: the median estimate of each side, which is what the slowdown came to "
+            f"inside the steps. Noise: the median interval half-width. Smallest detectable: the slowdown that would "
+            f"read no in 9 of 10 repeats (3% plus the 90th percentile of how far an interval's lower end lies below "
+            f"its side's median estimate over the repeats).\n\n" +
+            table(["row", "commit", "clock", "A/A (0%)", "+3%", "+10%", "busy-wait alone (3, 10%)",
+                   "ratio read (0 / 3 / 10%)", "noise", "smallest detectable", "passes"], lines) +
+            "\nCommands (one per repeat, S = 0..{}):\n\n".format(repeats - 1) +
+            "".join(f"    {c}\n" for c in dict.fromkeys(commands)) + "\n")
+
+
+def resummarize(quick: bool = False) -> str:
+    """Summaries and markdown again from the runs a results file holds (each keeps the commit it ran at)."""
+    saved = results_dir(quick) / "calibration.json"
+    results = json.loads(saved.read_text())
+    runs = [r for r in results["rows"] if "samples" in r]
+    for run in runs:
+        run.setdefault("commit", results["environment"]["commit"])
+    paths = [p for p in overhead.ROWS if any(r["path"] == p for r in runs)]
+    rows = []
+    for path in paths:
+        mine = [r for r in runs if r["path"] == path]
+        rows.append({**summarize_row(path, mine), "commit": "/".join(dict.fromkeys(r["commit"] for r in mine))})
+    text = markdown(rows, results["config"]["commands"])
+    write("calibration", {**results["config"], "summarized_again": True}, rows + runs, text, quick=quick)
+    return text
+
+
+def run(paths=tuple(overhead.ROWS), repeats: int = 10, quick: bool = False) -> str:
+    """Calibrate `paths`; the rows of other paths in the results file are kept, each naming its commit."""
+    kept, kept_runs = [], []
+    saved = results_dir(quick) / "calibration.json"
+    if saved.exists():
+        previous = json.loads(saved.read_text())
+        for record in previous["rows"]:
+            if record["path"] not in paths:
+                record.setdefault("commit", previous["environment"]["commit"])
+                (kept_runs if "samples" in record else kept).append(record)
+    commit = environment()["commit"]
+    rows, commands, raw = [], [], []
+    for path in paths:
+        runs = []
+        for seed in range(repeats):
+            print(f"calibrate: {path} repeat {seed + 1}/{repeats}", file=sys.stderr, flush=True)
+            result = overhead.run_row(path, quick=quick, calibrate=True, seed=seed)
+            commands.append(result["command"].replace(f"--seed {seed}", "--seed S"))
+            runs.append({**result, "commit": commit})
+        rows.append({**summarize_row(path, runs), "commit": commit})
+        raw += runs
+        order = list(overhead.ROWS).index
+        every = sorted(kept + rows, key=lambda r: order(r["path"]))
+        every_commands = list(dict.fromkeys([r["command"].replace(f"--seed {r['seed']}", "--seed S")
+                                             for r in kept_runs] + commands))
+        text = markdown(every, every_commands)
+        # rewritten after every row, so a run cut short keeps the rows it finished
+        write("calibration", {"repeats": repeats, "quick": quick, "target": TARGET,
+                              "clocks": {p: overhead.clock_of(p) for p in overhead.ROWS},
+                              "rows_config": {p: overhead.ROWS[p] for p in overhead.ROWS}, "commands": every_commands},
+              every + kept_runs + raw, text, quick=quick)
+    return text
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.calibrate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default=",".join(overhead.ROWS),
+                        help=f"comma-separated overhead rows, of {', '.join(overhead.ROWS)}")
+    parser.add_argument("--repeats", type=int, default=10, help="fresh processes per row")
+    parser.add_argument("--quick", action="store_true", help="the quick run's rounds; writes results/quick/")
+    parser.add_argument("--summarize-again", action="store_true", help="measure nothing: the counts, noise and "
+                        "smallest detectable slowdown again from the runs in the results file (rows keep their commit)")
+    args = parser.parse_args(argv)
+    paths = args.rows.split(",")
+    if set(paths) - set(overhead.ROWS):
+        parser.error(f"unknown row(s) {sorted(set(paths) - set(overhead.ROWS))}; choose from "
+                     f"{', '.join(overhead.ROWS)}")
+    if not args.quick and uncommitted():
+        parser.error("a full run writes the committed results, which must come from a commit: commit (or stash) "
+                     "the changes first, or pass --quick")
+    print(resummarize(args.quick) if args.summarize_again else run(paths, args.repeats, args.quick))
+
+
+if __name__ == "__main__":
+    main()
