@@ -72,6 +72,16 @@ def _frozen_call(module, x):
         module.requires_grad_(True)
 
 
+def _sides(fabric, plain, generator, discriminator, real, noise) -> dict:
+    """The plain step beside the same step through `fabric`, on a fresh pair of the same models."""
+    g, d, opt_g, opt_d = _models()
+    g, opt_g = fabric.setup(g, opt_g)
+    d, opt_d = fabric.setup(d, opt_d)
+    return {"plain": plain, "wrapped": _wrapped_step(fabric, g, d, opt_g, opt_d, real, noise), "fabric": fabric,
+            "loss": lambda: _losses(d(real), d(g(noise).detach())),
+            "modules": {"plain": [generator, discriminator], "wrapped": [g.module, d.module]}}
+
+
 def sixteen_mixed() -> dict:
     """{"plain", "wrapped"}: one GAN step each, in core's 16-mixed on CPU and written out in plain."""
     from core import Fabric
@@ -104,12 +114,7 @@ def sixteen_mixed() -> dict:
         scaler_g.update()
 
     fabric = Fabric(accelerator="cpu", precision="16-mixed")
-    g, d, opt_g, opt_d = _models()
-    g, opt_g = fabric.setup(g, opt_g)
-    d, opt_d = fabric.setup(d, opt_d)
-    return {"plain": plain, "wrapped": _wrapped_step(fabric, g, d, opt_g, opt_d, real, noise), "fabric": fabric,
-            "loss": lambda: _losses(d(real), d(g(noise).detach())),
-            "modules": {"plain": [generator, discriminator], "wrapped": [g.module, d.module]}}
+    return _sides(fabric, plain, generator, discriminator, real, noise)
 
 
 # the config core's deepspeed_stage_2 builds for a 32-true run (core/deepspeed.py DeepSpeed.config), written out
@@ -150,12 +155,7 @@ def deepspeed_stage_2() -> dict:
         engine_g.backward(loss_g)
         engine_g.step()
 
-    g, d, opt_g, opt_d = _models()
-    g, opt_g = fabric.setup(g, opt_g)
-    d, opt_d = fabric.setup(d, opt_d)
-    return {"plain": plain, "wrapped": _wrapped_step(fabric, g, d, opt_g, opt_d, real, noise), "fabric": fabric,
-            "loss": lambda: _losses(d(real), d(g(noise).detach())),
-            "modules": {"plain": [generator, discriminator], "wrapped": [g.module, d.module]}}
+    return _sides(fabric, plain, generator, discriminator, real, noise)
 
 
 SIDES = {"gan 16-mixed": sixteen_mixed, "gan deepspeed_stage_2": deepspeed_stage_2}
