@@ -4,8 +4,10 @@ Each comparison runs the real scripts as paired runs with the same seed and conf
 drawn at random (seeded by the case, and recorded), so that neither variant always runs first on a machine
 that warms up or slows down. An A/A comparison (`against="plain"`: plain vs plain) measures what identical
 code differs by here: the noise floor that a wrapped/plain ratio must be read against. Step time is read
-from `metrics.jsonl` (every record is stamped): the time per step of each logging window after the first
-(warm-up) one, median over windows, so start-up, data loading, evaluation and the final score are not timed.
+from `metrics.jsonl` (every record is stamped with the clock and rank 0's CPU time): the time per step of each
+logging window after the first (warm-up) one, median over windows, so start-up, data loading, evaluation and the
+final score are not timed. Both clocks are kept; the verdict reads CPU time, which another process on the
+machine disturbs less than the clock (its A/A floor is the narrower one; benchmarks/README.md).
 Peak memory is the `peak_rss_mb` (CPU) or `peak_cuda_mb` (GPU) of rank 0 in `summary.json`.
 
 The plain side (`plain_reference`) runs what the wrapped side runs, where plain PyTorch has it: the plain script
@@ -53,9 +55,13 @@ def _run(command, out: Path) -> dict:
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    per_step = [(b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(records[1:], records[2:])]
     summary = json.loads((out / "summary.json").read_text())
-    return {"step_ms": [1000 * t for t in per_step], "memory_mb": summary.get("peak_cuda_mb", summary["peak_rss_mb"])}
+    windows = list(zip(records[1:], records[2:]))
+
+    def per_step(key):
+        return [1000 * (b[key] - a[key]) / (b["step"] - a["step"]) for a, b in windows]
+    return {"step_ms": per_step("time"), "cpu_ms": per_step("cpu"),
+            "memory_mb": summary.get("peak_cuda_mb", summary["peak_rss_mb"])}
 
 
 def run_weights(run_dir: Path) -> dict:
@@ -84,12 +90,13 @@ def compare(workload: str, strategy: str, precision: str = "32-true", repeats: i
     steps *= scale
     plain_strategy = plain_reference(workload, strategy)
     times = {"plain": [], "wrapped": []}
+    cpu = {"plain": [], "wrapped": []}
     memory = {"plain": [], "wrapped": []}
-    ratios, final, orders = [], {}, []
+    ratios, cpu_ratios, final, orders = [], [], {}, []
     shuffle = random.Random(f"{seed} {workload} {strategy} {precision} {against}").shuffle
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(repeats):
-            medians = {}
+            medians, cpu_medians = {}, {}
             order = ["plain", "wrapped"]  # "wrapped" is the second side: the wrapped script, or plain again (A/A)
             shuffle(order)
             orders.append(order)
@@ -100,13 +107,16 @@ def compare(workload: str, strategy: str, precision: str = "32-true", repeats: i
                                    steps, log_every, out)
                 result = _run(command, out)
                 times[variant] += result["step_ms"]
+                cpu[variant] += result["cpu_ms"]
                 memory[variant].append(result["memory_mb"])
                 medians[variant] = statistics.median(result["step_ms"])
+                cpu_medians[variant] = statistics.median(result["cpu_ms"])
                 if repeat == repeats - 1:
                     final[variant] = run_weights(out)
                 else:
                     shutil.rmtree(out, ignore_errors=True)
             ratios.append(medians["wrapped"] / medians["plain"])
+            cpu_ratios.append(cpu_medians["wrapped"] / cpu_medians["plain"])
     a, b = final["plain"], final["wrapped"]
     common = [key for key in a if key in b and a[key].shape == b[key].shape]
     difference = max((a[k] - b[k]).abs().max().item() for k in common) if common else float("nan")
@@ -115,6 +125,8 @@ def compare(workload: str, strategy: str, precision: str = "32-true", repeats: i
             "plain": plain_strategy,
             "orders": orders,
             "plain_ms": spread(times["plain"]), "wrapped_ms": spread(times["wrapped"]), "ratio": spread(ratios),
+            "plain_cpu_ms": spread(cpu["plain"]), "wrapped_cpu_ms": spread(cpu["wrapped"]),
+            "cpu_ratio": spread(cpu_ratios),
             "plain_memory_mb": statistics.median(memory["plain"]),
             "wrapped_memory_mb": statistics.median(memory["wrapped"]),
             "weights_bitwise_equal": bitwise, "weights_max_abs_diff": difference, "compared_tensors": len(common)}

@@ -65,7 +65,7 @@ class RunDir:
                 raise ValueError(f"the ranks found different checkpoints to resume from in {self.path} (this one: "
                                  f"{resume or 'none'}): the run directory must be on a filesystem every node sees")
         self.workload, self.write = workload, write  # write: False on every rank but 0
-        self.started = time.perf_counter()
+        self.started, self.cpu_started = time.perf_counter(), time.process_time()
         self.loggers = []  # --logger's (common/loggers.py), made by start
 
     def _create(self) -> None:
@@ -97,10 +97,12 @@ class RunDir:
 
     def log(self, record: dict) -> None:
         """Append one record ({"step": N, ...}) to metrics.jsonl, stamped with the seconds since the run (or its
-        resume) started, and hand it to every logger."""
+        resume) started, `time` on the clock and `cpu` this process's CPU time (user + system, all its threads),
+        and hand it to every logger."""
         if self.write:
             self._create()
-            record = {**record, "time": round(time.perf_counter() - self.started, 4)}
+            record = {**record, "time": round(time.perf_counter() - self.started, 4),
+                      "cpu": round(time.process_time() - self.cpu_started, 4)}
             with open(self.path / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             for logger in self.loggers:

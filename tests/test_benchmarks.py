@@ -122,7 +122,8 @@ def test_parity_of_a_real_workload_on_one_process(monkeypatch):
     monkeypatch.setitem(WORKLOADS, "metalearn", dataclasses.replace(WORKLOADS["metalearn"], parity_steps=(30, 5)))
     row = parity.compare("metalearn", "single", repeats=1)
     assert row["weights_bitwise_equal"] and row["compared_tensors"] == 6
-    assert row["plain_ms"]["n"] == 4 and row["plain_memory_mb"] > 0
+    assert row["plain_ms"]["n"] == 4 and row["plain_cpu_ms"]["n"] == 4 and row["plain_memory_mb"] > 0
+    assert 0 < row["plain_cpu_ms"]["median"] < 2 * row["plain_ms"]["median"]  # one thread: CPU time <= the clock's
     assert row["orders"] in ([["plain", "wrapped"]], [["wrapped", "plain"]])
 
 
@@ -144,14 +145,16 @@ def test_the_a_a_row_runs_the_plain_script_twice_in_a_seeded_order(monkeypatch):
 
 
 def test_a_failing_parity_row_is_shown_failing_and_results_are_well_formed(results, monkeypatch):
-    fake = {"plain_ms": record.spread([1.0]), "wrapped_ms": record.spread([1.5]), "ratio": record.spread([1.5]),
+    fake = {"plain_ms": record.spread([1.0]), "wrapped_ms": record.spread([1.5]), "ratio": record.spread([1.0]),
+            "cpu_ratio": record.spread([1.5]),  # the verdict reads CPU time; the clock's ratio is shown beside
             "plain_memory_mb": 100.0, "wrapped_memory_mb": 120.0, "weights_bitwise_equal": False,
             "weights_max_abs_diff": 0.5, "compared_tensors": 3, "steps": 10}
     noise = {"gan": 0.02, "autoencoder": 0.0, "metalearn": 0.0}  # A/A ratios 1 - floor and 1 + floor
 
     def compare(w, s, p="32-true", against="wrapped", **k):
         if against == "plain":
-            aa = {"ratio": {"median": 1.0, "min": 1 - noise[w], "max": 1 + noise[w], "n": 2}, "plain_memory_mb": 100.0,
+            aa = {"cpu_ratio": {"median": 1.0, "min": 1 - noise[w], "max": 1 + noise[w], "n": 2},
+                  "ratio": record.spread([0.5, 1.5]), "plain_memory_mb": 100.0,
                   "wrapped_memory_mb": 100.0, "weights_bitwise_equal": True}
             return {**fake, **aa, "workload": w, "strategy": s, "precision": p, "against": against,
                     "plain": parity.plain_reference(w, s), "orders": [["wrapped", "plain"], ["plain", "wrapped"]]}
@@ -164,6 +167,7 @@ def test_a_failing_parity_row_is_shown_failing_and_results_are_well_formed(resul
     assert row.count("**no**") == 2 and "max diff 0.5" in row  # time and memory both miss their targets
     assert "<= 1.03: **no**" in row and row.endswith("| wp |")  # 1.5 - gan's floor 0.02 > 1.03; wrapped first
     assert "| gan | plain (A/A) | 32-true |" in markdown and "floor 0.020" in markdown
+    assert "gan 0.020 (0.500 on the clock)" in markdown
     fsdp = next(line for line in markdown.splitlines() if line.startswith("| gan | fsdp"))
     assert "<= 1.05: **no**" in fsdp  # against plain FSDP2: the wrapper's cost, with ddp's target
     deepspeed = next(line for line in markdown.splitlines() if line.startswith("| gan | deepspeed_stage_2"))

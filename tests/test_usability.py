@@ -224,6 +224,16 @@ def test_the_install_page_matches_setup_cfg():
     assert "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu" in install
 
 
+def test_an_installed_suite_holds_every_package():
+    """`pip install .` (not editable) copies the packages setup.cfg names: a subpackage missing there imports in a
+    checkout and fails in an install (`No module named 'core.strategies'`)."""
+    from setuptools.config.setupcfg import read_configuration
+    installed = set(read_configuration(ROOT / "setup.cfg")["options"]["packages"])
+    top = [d for d in ROOT.iterdir() if (d / "__init__.py").is_file() and d.name != "tests"]
+    on_disk = {".".join(init.parent.relative_to(ROOT).parts) for d in top for init in d.rglob("__init__.py")}
+    assert on_disk and on_disk <= installed, sorted(on_disk - installed)
+
+
 def test_the_readme_commands_include_every_workload_and_torchrun():
     commands = readme_commands()
     assert len(commands) >= 10 and any(c.startswith("torchrun") for c in commands)
