@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import calibrate, maml_speed, overhead, paired, parity, record
 from benchmarks import run as bench
@@ -40,9 +41,23 @@ def test_overhead_measures_every_path_in_interleaved_blocks():
             ratio = row["ratios"]["core"][clock]
             assert ratio["rounds"] == 2 and ratio["interval"][0] <= ratio["ratio"] <= ratio["interval"][1]
         assert ("graph_walk_us" in row) == path.startswith("gan ")
+        assert ("core, no backward check" in row["samples"]) == (path == "16-mixed")
     result = overhead.measure(quick=True, import_repeats=1, paths=())
     assert result["import"]["ratio"] > 0
     assert result["stop_check"]["one_process_us"]["median"] > 0 < result["stop_check"]["two_processes_us"]["median"]
+
+
+def test_the_unchecked_16_mixed_side_skips_the_check_only_while_it_steps(monkeypatch):
+    """The side that shows the cost of core's check for a plain loss.backward() turns the check off for its own
+    step and back on after it, so the core side it is read against keeps it."""
+    from core.wrappers import BackwardState
+    seen = []
+    monkeypatch.setattr(BackwardState, "check", lambda self, grad: seen.append(grad) or grad)
+    sides = overhead._mixed_variants("16-mixed", torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    sides["core, no backward check"]()
+    assert seen == []
+    sides["core"]()
+    assert len(seen) == 1
 
 
 @pytest.mark.slow
