@@ -6,8 +6,8 @@ that warms up or slows down. An A/A comparison (`against="plain"`: plain vs plai
 code differs by here: the noise floor that a wrapped/plain ratio must be read against. Step time is read
 from `metrics.jsonl` (every record is stamped with the clock and rank 0's CPU time): the time per step of each
 logging window after the first (warm-up) one, median over windows, so start-up, data loading, evaluation and the
-final score are not timed. Both clocks are kept; the verdict reads CPU time, which another process on the
-machine disturbs less than the clock (its A/A floor is the narrower one; benchmarks/README.md).
+final score are not timed. Both clocks are kept; the verdict reads CPU time, which does not count the time
+another process holds the core, as the clock does (on an idle machine the two agree; benchmarks/README.md).
 Peak memory is the `peak_rss_mb` (CPU) or `peak_cuda_mb` (GPU) of rank 0 in `summary.json`.
 
 The plain side (`plain_reference`) runs what the wrapped side runs, where plain PyTorch has it: the plain script
