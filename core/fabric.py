@@ -264,7 +264,7 @@ class Fabric(Conveniences):
     def backward(self, tensor: torch.Tensor, *args, model: FabricModule | None = None, **kwargs) -> None:
         """`tensor.backward(*args, **kwargs)` through the strategy and precision (create_graph,
         retain_graph pass through). `model` says which set-up model this loss is for, where the
-        strategy needs to know (DeepSpeed engines, 16-mixed scalers) and the graph alone does not say."""
+        strategy needs to know (DeepSpeed's engines) and the graph alone does not say."""
         if self._plain_backward:
             return tensor.backward(*args, **kwargs)
         self._backward.active = True
@@ -275,16 +275,14 @@ class Fabric(Conveniences):
 
     def _backward_through_strategy(self, tensor, args, kwargs, model) -> None:
         module = model
-        if module is None and (self._strategy.backward_needs_module or self._precision.needs_loss_owner()):
+        if module is None and self._strategy.backward_needs_module:
             module = validation.module_of_loss(tensor, self._modules)
-        optimizers = None if module is None else [o.optimizer for o in self._optimizers_of.get(id(module), [])]
-        tensor = self._precision.scale_loss(tensor, optimizers)
-        return self._strategy.backward(tensor, module, *args, **kwargs)
+        return self._strategy.backward(self._precision.scale_loss(tensor), module, *args, **kwargs)
 
     def grad(self, outputs, inputs, grad_outputs=None, create_graph: bool = True, model: FabricModule | None = None):
         """`torch.autograd.grad(outputs, inputs, grad_outputs, create_graph=create_graph)` through set-up modules,
         for a penalty on the gradient with respect to the inputs (R1, WGAN-GP) whose own gradient
-        `fabric.backward` then takes with the loss. Under 16-mixed the outputs are scaled by the model's loss
+        `fabric.backward` then takes with the loss. Under 16-mixed the outputs are scaled by the loss
         scale and the gradients unscaled, so an overflow leaves inf in them and the scaler skips that step as it
         would for the loss; under fsdp the model's parameters stay gathered until its optimizer steps; DeepSpeed
         ZeRO-1 and -2 take it (ZeRO-2 with contiguous_gradients off), ZeRO-3 and DeepSpeed's float16 modes refuse
@@ -296,7 +294,7 @@ class Fabric(Conveniences):
             self._strategy.keep_for_second_backward(module, optimizers)
         self._backward.active = True  # the outputs' guard would take this for a bare loss.backward()
         try:
-            return self._precision.input_gradients(outputs, inputs, grad_outputs, create_graph, optimizers)
+            return self._precision.input_gradients(outputs, inputs, grad_outputs, create_graph)
         finally:
             self._backward.active = False
 

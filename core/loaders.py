@@ -7,33 +7,57 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 
 
 class FabricDataLoader:
-    """Iterates a DataLoader, calls `set_epoch` on its DistributedSampler at each pass (unless you
-    called it yourself since the last pass) and moves each batch to the device."""
+    """Iterates a DataLoader, calls `set_epoch` at each pass on every sampler of it that has one (its sampler,
+    its batch sampler, and the sampler inside that: a DistributedSampler under a BatchSampler), and moves each
+    batch to the device. A `set_epoch` you called yourself since the last pass is kept: the pass after it
+    counts on from your epoch."""
 
     def __init__(self, loader: DataLoader, move_batch=None):
         self._loader = loader
         self._move_batch = move_batch
-        self._epoch = 0
-        self._epoch_set = 0
+        self._epoch = 0  # the epoch of the next pass
+        self._epoch_set = None  # what this wrapper last set
 
     def __len__(self):
         return len(self._loader)
 
     def __iter__(self):
-        sampler = self._loader.sampler
-        if isinstance(sampler, DistributedSampler):
-            if sampler.epoch == self._epoch_set:
-                sampler.set_epoch(self._epoch)
-            self._epoch_set = sampler.epoch
-            self._epoch = sampler.epoch + 1
+        samplers = epoch_samplers(self._loader)
+        if samplers:
+            epoch = self._epoch
+            for sampler in samplers:  # the user's own set_epoch since the last pass wins
+                own = getattr(sampler, "epoch", self._epoch_set)
+                if isinstance(own, int) and own != self._epoch_set:
+                    epoch = own
+            for sampler in samplers:
+                sampler.set_epoch(epoch)
+            self._epoch_set, self._epoch = epoch, epoch + 1
         if self._move_batch is None:
             yield from self._loader
         else:
             for batch in self._loader:
                 yield self._move_batch(batch)
 
+    def __getstate__(self):  # copy and pickle read the instance's own attributes, not __getattr__'s
+        return self.__dict__
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
     def __getattr__(self, name):
+        if name == "_loader":  # not set yet (an instance being unpickled): no recursion through __getattr__
+            raise AttributeError(name)
         return getattr(self._loader, name)
+
+
+def epoch_samplers(loader: DataLoader) -> list:
+    """The samplers of `loader` that have a `set_epoch`, each once."""
+    batch_sampler = loader.batch_sampler
+    found = []
+    for sampler in (loader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
+        if callable(getattr(sampler, "set_epoch", None)) and all(sampler is not other for other in found):
+            found.append(sampler)
+    return found
 
 
 def shard_loader(loader: DataLoader, world_size: int, rank: int, seed: int) -> DataLoader:

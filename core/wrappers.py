@@ -184,10 +184,11 @@ class FabricOptimizer:
     """The user's optimizer, by delegation: mixed into a subclass of the optimizer's class, so that
     `isinstance(opt, type(original))` holds and the class's methods run, but every attribute an instance holds
     (`param_groups`, `state`, `defaults`, hooks) is read from and written to the original; the wrapper holds only
-    the original and its own `step`. Nothing is copied, so nothing goes stale (`load_state_dict` rebinds the
-    original's `state`)."""
+    the original and the function its `step` calls. Nothing is copied, so nothing goes stale (`load_state_dict`
+    rebinds the original's `state`). `step` is a method of the class, so an LR scheduler built on the wrapper
+    can wrap it as it wraps any optimizer's (it sets an instance `step`, which the wrapper keeps)."""
 
-    _own = frozenset({"_optimizer", "step"})  # what the wrapper itself holds; all else is the original's
+    _own = frozenset({"_optimizer", "_step", "step"})  # what the wrapper itself holds; all else is the original's
 
     def __init__(self):  # never called: instances are made by wrap_optimizer
         raise TypeError("use Fabric.setup_optimizers to wrap an optimizer")
@@ -215,11 +216,11 @@ class FabricOptimizer:
     def optimizer(self) -> torch.optim.Optimizer:
         return self._optimizer
 
-    def step(self, closure=None):  # shadowed per instance by wrap_optimizer; here for the class's interface
-        return self.__dict__["step"](closure) if closure is not None else self.__dict__["step"]()
+    def step(self, closure=None):
+        return self.__dict__["_step"](closure) if closure is not None else self.__dict__["_step"]()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._optimizer.zero_grad(set_to_none)
+    def zero_grad(self, *args, **kwargs) -> None:  # as the original takes them (some take no set_to_none)
+        self._optimizer.zero_grad(*args, **kwargs)
 
     def state_dict(self):
         return self._optimizer.state_dict()
@@ -244,15 +245,14 @@ _optimizer_classes: dict[type, type] = {}
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, step) -> FabricOptimizer:
-    """Return a FabricOptimizer whose `step(closure)` calls `step`; `optimizer` itself is untouched.
-    `step` is stored on the instance, so `wrapped.step()` is one call of it (the original's own bound
-    `step` on the fast path)."""
+    """Return a FabricOptimizer whose `step(closure)` calls `step` (the original's own bound `step` on the fast
+    path); `optimizer` itself is untouched."""
     cls = type(optimizer)
     wrapped_cls = _optimizer_classes.get(cls)
     if wrapped_cls is None:
         wrapped_cls = _optimizer_classes[cls] = type(f"Fabric{cls.__name__}", (FabricOptimizer, cls), {})
     wrapped = wrapped_cls.__new__(wrapped_cls)
-    wrapped.__dict__.update(_optimizer=optimizer, step=step)
+    wrapped.__dict__.update(_optimizer=optimizer, _step=step)
     return wrapped
 
 

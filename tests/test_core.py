@@ -147,6 +147,43 @@ def test_optimizer_state_dict_round_trips():
     assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
 
 
+def test_an_optimizer_loaded_by_fabric_load_then_by_load_state_dict_takes_lr_edits(tmp_path):
+    """After fabric.load restored it, the wrapper must still be the optimizer that trains: a later
+    load_state_dict and an lr edit through param_groups reach the optimizer that steps."""
+    fabric, model, opt = trained_adam_run()
+    fabric.save(tmp_path / "a.ckpt", {"model": model, "optimizer": opt})
+    fresh = mlp()
+    fresh, fresh_opt = fabric.setup(fresh, torch.optim.Adam(fresh.parameters(), lr=0.5))
+    fabric.load(tmp_path / "a.ckpt", {"model": fresh, "optimizer": fresh_opt})
+    fresh_opt.load_state_dict(opt.state_dict())
+    for group in fresh_opt.param_groups:
+        group["lr"] = 0.0
+    assert fresh_opt.param_groups is fresh_opt.optimizer.param_groups
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    x, y = data(1)[0]
+    fabric.backward(F.mse_loss(fresh(x), y))
+    fresh_opt.step()
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, before[key]), key  # lr 0: nothing moved
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_a_scheduler_built_on_the_set_up_optimizer_schedules_it(precision):
+    """Lightning's docs build the scheduler after setup, from the optimizer setup returned."""
+    fabric = Fabric(accelerator="cpu", precision=precision)
+    model = mlp()
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = data(1)[0]
+    for _ in range(3):
+        opt.zero_grad()
+        fabric.backward(F.mse_loss(model(x), y))
+        opt.step()
+        scheduler.step()
+    assert opt.optimizer.param_groups[0]["lr"] == 0.125
+    assert scheduler.get_last_lr() == [0.125] and opt.optimizer._opt_called
+
+
 class TestValidation:
     def test_module_set_up_twice(self):
         fabric = Fabric(accelerator="cpu")
@@ -245,15 +282,6 @@ class TestValidation:
         with pytest.raises(TypeError, match="per-module options are passed by strategy"):
             Fabric(accelerator="cpu").setup(mlp(), find_unused_parameters=True)
 
-    def test_ambiguous_backward_under_16_mixed_names_the_fix(self):
-        fabric = Fabric(accelerator="cpu", precision="16-mixed")
-        first, second = mlp(0), nn.Linear(2, 1)
-        first, _ = fabric.setup(first, torch.optim.SGD(first.parameters(), lr=0.1))
-        second, _ = fabric.setup(second, torch.optim.SGD(second.parameters(), lr=0.1))
-        loss = second(first(torch.randn(3, 4))).float().mean()
-        with pytest.raises(ValueError, match="Pass it: `fabric.backward\\(loss, model=generator\\)`"):
-            fabric.backward(loss)
-
 
 def test_mark_forward_method_routes_through_wrapper():
     class Net(nn.Module):
@@ -305,21 +333,43 @@ class TestPrecision:
         model = fabric.setup(nn.Linear(4, 4))
         assert model.module.weight.dtype == torch.bfloat16
         assert model(torch.randn(2, 4)).dtype == torch.float32  # outputs in the default dtype, as Lightning
-    def test_16_mixed_keeps_one_loss_scale_per_optimizer(self):
+    def test_16_mixed_a_loss_through_two_models_trains_as_torchs_one_scaler_recipe(self):
+        """One loss through two set-up models, each with its own SGD optimizer, with an overflow in between that
+        reaches the second model only: core must train as plain PyTorch with one GradScaler does (a scale that
+        each model's optimizer unscaled differently would show as a 2x update under SGD)."""
         fabric = Fabric(accelerator="cpu", precision="16-mixed")
-        first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+        first, second = mlp(0), nn.Linear(2, 1)
+        plain_first, plain_second = mlp(0), nn.Linear(2, 1)
+        plain_second.load_state_dict(second.state_dict())
         first, opt_first = fabric.setup(first, torch.optim.SGD(first.parameters(), lr=0.1))
         second, opt_second = fabric.setup(second, torch.optim.SGD(second.parameters(), lr=0.1))
-        scalers = fabric._precision.scalers
-        scale = scalers[id(opt_first.optimizer)].get_scale()
-        x = torch.randn(2, 4)
-        fabric.backward(first(x).float().mean() * float("inf"))  # overflow in the first model only
-        opt_first.step()
-        fabric.backward(second(x).float().mean() * 0.01)
-        opt_second.step()
-        assert scalers[id(opt_first.optimizer)].get_scale() < scale  # backed off
-        assert scalers[id(opt_second.optimizer)].get_scale() == scale  # undisturbed
-        assert torch.isfinite(first.module.weight).all()  # the overflowing step was skipped
+        plain_opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain_first, plain_second)]
+        scaler = torch.amp.GradScaler("cpu")
+        x = torch.randn(3, 4)
+        for through_both in (True, False, True, True):
+            factor = 1.0 if through_both else float("inf")  # the second model's own loss overflows
+            for opt in (opt_first, opt_second, *plain_opts):
+                opt.zero_grad()
+            if through_both:
+                fabric.backward(second(first(x)).float().mean(), model=first)  # model= as core used to ask
+                opt_first.step()
+                opt_second.step()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = plain_second(plain_first(x)).float().mean()
+                scaler.scale(loss).backward()
+                scaler.step(plain_opts[0])
+                scaler.step(plain_opts[1])
+            else:
+                fabric.backward(second(x[:, :2]).float().mean() * factor)
+                opt_second.step()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = plain_second(x[:, :2]).float().mean() * factor
+                scaler.scale(loss).backward()
+                scaler.step(plain_opts[1])
+            scaler.update()
+        assert_same_weights(first.module, plain_first)
+        assert_same_weights(second.module, plain_second)
+        assert fabric._precision.state_dict(None)["scale"] == scaler.get_scale() < 65536.0  # backed off once
 
 
 class TestCheckpoints:
@@ -407,6 +457,19 @@ def test_setup_dataloaders_moves_and_keeps_order_on_one_process():
     assert first != second  # set_epoch was called: a new order each pass
     loader.sampler.set_epoch(0)
     assert [b[0].tolist() for b in wrapped] == first  # ... unless the caller sets the epoch itself
+
+
+def test_a_sampler_inside_a_batch_sampler_gets_set_epoch():
+    """A DistributedSampler under a BatchSampler (what use_distributed_sampler=False with a batch sampler asks
+    the user to build) must draw a new order each pass, as the plain loop's set_epoch gives it."""
+    dataset = TensorDataset(torch.arange(16.0))
+    sampler = DistributedSampler(dataset, 1, 0, shuffle=True, seed=3)
+    batches = torch.utils.data.BatchSampler(sampler, 4, drop_last=False)
+    wrapped = Fabric(accelerator="cpu").setup_dataloaders(DataLoader(dataset, batch_sampler=batches))
+    plain = DistributedSampler(dataset, 1, 0, shuffle=True, seed=3)
+    for epoch in range(3):
+        plain.set_epoch(epoch)
+        assert [i for b in wrapped for i in b[0].int().tolist()] == list(plain)
 
 
 def test_seed_everything_is_reproducible():

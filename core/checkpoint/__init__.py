@@ -129,7 +129,6 @@ def restore(saved: dict, state: dict, strategy, precision, module_of: dict, path
                 optimizer_state = named_optimizer_state(optimizer_state, strategy.parameter_names(value.optimizer,
                                                                                                   module))
             strategy.load_optimizer_state(value.optimizer, module, optimizer_state)
-            value.__dict__.update(state=value.optimizer.state, param_groups=value.optimizer.param_groups)
             precision.load_state_dict(value.optimizer, entry["scaler"])
         elif isinstance(value, torch.nn.Module):
             check_state_dict(value, saved[key], key, strict)

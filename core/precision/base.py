@@ -1,9 +1,8 @@
-"""The base precision, 32-true, and what every mode shares: the casts of nested data and the loss scalers.
+"""The base precision, 32-true, and what every mode shares: the casts of nested data and the loss scaler.
 
 `Precision` is 32-true and the base of every mode: each method is what 32-true does (nothing), and a mode
-overrides only what it changes. Every precision decision is the mode's: the casts, and which loss scaler a loss
-or an optimizer goes through (`scale_loss`, `input_gradients`, `optimizer_step`); Fabric and the strategies
-only hand it the optimizers of the model a loss is for. A strategy that does part of the work itself asks
+overrides only what it changes. Every precision decision is the mode's: the casts, and how a loss and an
+optimizer's step go through the loss scaler (`scale_loss`, `input_gradients`, `optimizer_step`). A strategy that does part of the work itself asks
 the mode for its variant instead of editing it: FSDP for `fsdp_policy()`, DeepSpeed for `deepspeed_config()`.
 """
 from contextlib import nullcontext
@@ -39,7 +38,8 @@ class Precision:
 
     def __init__(self, device: torch.device):
         self.device_type = device.type
-        self.scalers = {}  # id(optimizer) -> torch.amp.GradScaler, for modes that scale the loss
+        self.scaler = None  # one torch.amp.GradScaler for every optimizer, in modes that scale the loss
+        self._update_due = False  # an optimizer stepped through the scaler since its last update()
 
     def forward_context(self):
         return nullcontext()
@@ -57,30 +57,37 @@ class Precision:
     def convert_output(self, data):
         return data
 
-    # --- loss scaling: one scaler per optimizer, in modes that add them (add_optimizer) -----------------
+    # --- loss scaling: one scaler for all optimizers, in modes that add it (add_optimizer) ---------------
+    # torch's recipe for several models and optimizers: one GradScaler, `scaler.step(opt)` for each optimizer,
+    # `scaler.update()` after the steps. The update waits until the next loss is scaled, so every optimizer that
+    # steps on one backward's gradients (a loss through two models, each with its own optimizer) unscales them
+    # by the scale that backward used, and a backward-then-step per model (a GAN) updates after each step.
     def add_optimizer(self, optimizer) -> None:
         pass
 
     def steps_through_scaler(self, optimizer) -> bool:
-        """True when `optimizer.step()` must go through `optimizer_step` (its scaler) rather than be its own."""
-        return id(optimizer) in self.scalers
+        """True when `optimizer.step()` must go through `optimizer_step` (the scaler) rather than be its own."""
+        return self.scaler is not None
 
-    def needs_loss_owner(self) -> bool:
-        """True when scaling a loss needs the optimizers of the model it is for (several scalers)."""
-        return len(self.scalers) > 1
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the loss scale; `loss` itself where no scaler is."""
+        if self.scaler is None:
+            return loss
+        self._update_scale()
+        return self.scaler.scale(loss)
 
-    def scale_loss(self, loss: torch.Tensor, optimizers: list | None = None) -> torch.Tensor:
-        """`loss` times the loss scale of the optimizer that steps the model it is for (`optimizers`: that
-        model's set-up optimizers, needed where `needs_loss_owner()`); `loss` itself where no scaler is."""
-        scaler = self._scaler_for(optimizers, "the model this loss is for")
-        return loss if scaler is None else scaler.scale(loss)
+    def _update_scale(self) -> None:
+        if self._update_due:
+            self.scaler.update()
+            self._update_due = False
 
-    def input_gradients(self, outputs, inputs, grad_outputs, create_graph: bool, optimizers: list) -> tuple:
+    def input_gradients(self, outputs, inputs, grad_outputs, create_graph: bool) -> tuple:
         """`torch.autograd.grad` for a penalty on gradients (fabric.grad): under a scaler the outputs are scaled
-        by the model's loss scale and the gradients unscaled, so an overflow leaves inf in them and the scaler
-        skips that step as it would for the loss."""
-        scaler = self._scaler_for(optimizers, "the model these outputs come from")
+        by the loss scale and the gradients unscaled, so an overflow leaves inf in them and the scaler skips
+        that step as it would for the loss."""
+        scaler = self.scaler
         if scaler is not None:
+            self._update_scale()
             outputs = map_nested(outputs, scaler.scale)
         grads = torch.autograd.grad(outputs, inputs, grad_outputs=grad_outputs, create_graph=create_graph)
         if scaler is None:
@@ -88,35 +95,28 @@ class Precision:
         scale = scaler.get_scale()
         return tuple(g / scale if g is not None else None for g in grads)
 
-    def _scaler_for(self, optimizers: list | None, what: str):
-        if len(self.scalers) <= 1:
-            return next(iter(self.scalers.values()), None)
-        if optimizers is None or len(optimizers) != 1:
-            raise ValueError(f"{self.name} keeps one loss scale per optimizer, and {what} has "
-                             f"{len(optimizers or [])} optimizers; set up one optimizer per model under {self.name}.")
-        return self.scalers[id(optimizers[0])]
-
     def unscale_gradients(self, optimizer) -> None:
-        scaler = self.scalers.get(id(optimizer))
-        if scaler is not None:
-            scaler.unscale_(optimizer)
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
 
     def optimizer_step(self, optimizer, **kwargs):
-        scaler = self.scalers.get(id(optimizer))
-        if scaler is None:
+        if self.scaler is None:
             return optimizer.step(**kwargs)
-        result = scaler.step(optimizer, **kwargs)
-        scaler.update()
+        result = self.scaler.step(optimizer, **kwargs)  # skipped when this optimizer's gradients hold inf or NaN
+        self._update_due = True
         return result
 
     def state_dict(self, optimizer) -> dict | None:
-        scaler = self.scalers.get(id(optimizer))
-        return scaler.state_dict() if scaler is not None else None
+        """The loss scaler's state (the same for every optimizer), as the steps so far leave it."""
+        if self.scaler is None:
+            return None
+        self._update_scale()
+        return self.scaler.state_dict()
 
     def load_state_dict(self, optimizer, state: dict | None) -> None:
-        scaler = self.scalers.get(id(optimizer))
-        if scaler is not None and state:
-            scaler.load_state_dict(state)
+        if self.scaler is not None and state:
+            self._update_scale()
+            self.scaler.load_state_dict(state)
 
     # --- what strategies that do part of the work ask for ------------------------------------------
     def fsdp_policy(self):

@@ -1,5 +1,5 @@
 """Mixed precision: the forward under `torch.autocast`, weights and gradients in float32; 16-mixed adds a
-loss scaler per optimizer."""
+loss scaler."""
 import torch
 
 from core.precision.base import Precision, cast_floats
@@ -38,14 +38,16 @@ class BFloat16Mixed(Precision):
 
 
 class Float16Mixed(BFloat16Mixed):
-    """Autocast to float16, with one GradScaler per optimizer: an overflow in one model's backward
-    lowers only that model's loss scale."""
+    """Autocast to float16, with one GradScaler for every optimizer, torch's recipe for several models (see
+    Precision's loss scaling): a loss through two models is scaled once and unscaled by the same scale in each
+    model's optimizer."""
 
     name = "16-mixed"
     dtype = torch.float16
 
-    def add_optimizer(self, optimizer) -> None:  # (set up again: it keeps its scale)
-        self.scalers.setdefault(id(optimizer), torch.amp.GradScaler(self.device_type))
+    def add_optimizer(self, optimizer) -> None:
+        if self.scaler is None:
+            self.scaler = torch.amp.GradScaler(self.device_type)
 
     def fsdp_policy(self):
         raise ValueError("precision='16-mixed' is not supported with strategy='fsdp' (it would need a sharded loss "
