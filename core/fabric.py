@@ -175,6 +175,7 @@ class Fabric(Conveniences):
         wrapped = []
         for opt in optimizers:
             owner = self._owner_module(opt)
+            validation.check_ownership(owner.module, [opt])
             self._strategy.check_optimizer(opt, owner)
             wrapped.append(self._register_optimizer(opt, owner))
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)

@@ -254,7 +254,7 @@ def test_the_optimizer_wrapper_delegates_and_never_holds_stale_state():
     raw = torch.optim.Adam(model.parameters(), lr=0.1)
     model, optimizer = fabric.setup(model, raw)
     assert isinstance(optimizer, torch.optim.Adam) and optimizer.optimizer is raw
-    assert set(vars(optimizer)) == {"_optimizer", "step"}  # nothing of the original's copied
+    assert set(vars(optimizer)) == {"_optimizer", "_step"}  # nothing of the original's copied
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     fabric.backward(model(torch.randn(3, 4)).sum())
     optimizer.step()

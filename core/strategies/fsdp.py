@@ -186,6 +186,11 @@ class FSDP(DDP):
 
     def load_optimizer_state(self, optimizer, wrapped_module, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        if not state.get("state"):  # saved before its first step, which torch's loader cannot place ("device")
+            optimizer.state.clear()
+            for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+                group.update({key: value for key, value in saved.items() if key != "params"})
+            return
         options = StateDictOptions(full_state_dict=not _sharded(state))
         set_optimizer_state_dict(wrapped_module.module, optimizer, state, options=options)
 

@@ -79,8 +79,13 @@ class SingleDevice:
                                               error_if_nonfinite=error_if_nonfinite)
 
     def clip_gradients_by_value(self, module, optimizer, clip_val) -> None:
+        """Clip the gradients this optimizer steps (as by norm): the module's others may still be scaled by
+        16-mixed's loss scale, and under fsdp a module kept gathered lists its unsharded parameters, whose
+        gradients are on the shards."""
         self.precision.unscale_gradients(optimizer)
-        torch.nn.utils.clip_grad_value_(module.parameters(), clip_val)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if params:  # torch fails on a list without gradients
+            torch.nn.utils.clip_grad_value_(params, clip_val)
 
     # collectives: identities on one process
     def barrier(self, timeout: float | None = None) -> None:
