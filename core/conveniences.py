@@ -60,9 +60,9 @@ class Conveniences:
 
     def log_dict(self, metrics: dict, step: int | None = None) -> None:
         """Write metrics (tensors become numbers) to every logger; each logger writes on rank 0 only."""
-        metrics = map_nested(metrics, lambda v: v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
+        metrics = map_nested(metrics, _number)
         for logger in self._loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics(metrics=metrics, step=step)
 
     def call(self, hook_name: str, *args, **kwargs) -> None:
         """Call `hook_name(*args, **kwargs)` on every callback that has it; keyword arguments a callback's
@@ -133,3 +133,13 @@ class Accelerator:
 
     def __repr__(self) -> str:
         return f"Accelerator({self.name!r})"
+
+
+def _number(value):
+    """A logged value as a number: a one-element tensor's item; a larger tensor is refused, as Lightning does."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.numel() != 1:
+        raise ValueError(f"fabric.log takes numbers and one-element tensors, got a tensor of shape "
+                         f"{tuple(value.shape)}: log a reduction of it (`.mean()`), or each element under its own name.")
+    return value.item()

@@ -24,6 +24,9 @@ from core.wrappers import (BackwardState, FabricModule, FabricOptimizer, compile
                            unwrap_compiled, wrap_optimizer)
 
 
+_NO_FUNCTION = object()  # launch() without a function (None is refused, as Lightning refuses it)
+
+
 class Fabric(Conveniences):
     """Moves models to the device, applies precision, wraps them for a strategy and wraps their optimizers.
 
@@ -85,8 +88,12 @@ class Fabric(Conveniences):
         self._set_up_modules, self._set_up_optimizers = weakref.WeakSet(), weakref.WeakSet()
 
     # --- launching --------------------------------------------------------------------------------
-    def launch(self, fn=None, *args, **kwargs):
+    def launch(self, fn=_NO_FUNCTION, *args, **kwargs):
         """Start the processes of the run. With `fn`, run `fn(fabric, *args)` and return its result."""
+        if fn is not _NO_FUNCTION:
+            validation.check_launch_function(fn, args, kwargs)
+        else:
+            fn = None
         if launcher.started_by_cli():
             raise RuntimeError("This script was started by `fabric run`, which started every process already; "
                                "remove the fabric.launch() call (or run the script with python instead).")

@@ -16,10 +16,12 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     `verbose=True` prints the seed (Lightning's default; core's is quiet)."""
     if seed is None:
         seed = int(os.environ.get(SEED_VARIABLE, 0))
-    if isinstance(seed, float) and seed.is_integer():  # Lightning takes 42.0 as 42
-        seed = int(seed)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int, got {seed!r}.")
+    if isinstance(seed, bool) or isinstance(seed, float) and not seed.is_integer():
+        raise TypeError(f"seed must be a whole number, got {seed!r}.")
+    try:
+        seed = int(seed)  # as Lightning: 42.0, a NumPy integer, "42", a one-element tensor
+    except (TypeError, ValueError):
+        raise TypeError(f"seed must be a whole number, got {seed!r}.") from None
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
     # (the launcher's ranks and the loaders' workers read these two, as Lightning's do; nothing else is set)

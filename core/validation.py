@@ -1,4 +1,5 @@
 """The checks behind Fabric's error messages: each says what was wrong and what to do instead."""
+import inspect
 import os
 
 import torch
@@ -91,6 +92,24 @@ def module_of_loss(loss: torch.Tensor, modules: list) -> FabricModule:
                      f"`with fabric.frozen(discriminator): ...` around its forward.")
 
 
+def check_launch_function(fn, args: tuple, kwargs: dict) -> None:
+    """fabric.launch(fn, *args, **kwargs) runs fn(fabric, *args, **kwargs) in every process: check that fn takes
+    those arguments before any process starts."""
+    if not callable(fn):
+        raise TypeError(f"fabric.launch(fn) takes a function to run in every process, got {fn!r}; call "
+                        f"fabric.launch() without arguments to start the processes and go on in this script.")
+    try:
+        inspect.signature(fn).bind(object(), *args, **kwargs)
+    except TypeError:
+        name = getattr(fn, "__name__", "fn")
+        raise TypeError(f"fabric.launch({name}, ...) calls {name}(fabric, *args, **kwargs) with the Fabric first and "
+                        f"then the arguments launch was given ({len(args)} positional, keywords {sorted(kwargs)}), "
+                        f"which its signature {inspect.signature(fn)} does not take: define it as "
+                        f"`def {name}(fabric, ...)`.") from None
+    except ValueError:  # a builtin without a readable signature: let the call say
+        pass
+
+
 def reduce_op(op):
     """A reduce_op argument as a torch ReduceOp, or "mean"."""
     import torch.distributed as dist
@@ -105,7 +124,6 @@ def reduce_op(op):
 
 def accepted_kwargs(method, kwargs: dict) -> dict:
     """The part of `kwargs` that `method` takes (all of it when it takes **kwargs)."""
-    import inspect
     try:
         parameters = inspect.signature(method).parameters.values()
     except (ValueError, TypeError):  # a builtin or C method: its signature cannot be read, so it gets all of them

@@ -102,8 +102,18 @@ class FabricModule(nn.Module):
         """The dtype of the module's first floating-point parameter (float32 for a module with none)."""
         return next((p.dtype for p in self._original_module.parameters() if p.is_floating_point()), torch.float32)
 
-    def mark_forward_method(self, name: str) -> None:
-        """Route `wrapped.<name>(...)` through the strategy wrapper, like a call of the module."""
+    def mark_forward_method(self, name) -> None:
+        """Route `wrapped.<name>(...)` through the strategy wrapper, like a call of the module. `name`: the
+        method's name, or the method itself (`model.generate`, of the set-up module or the original)."""
+        if callable(name) and not isinstance(name, str):
+            owner = getattr(name, "__self__", None)
+            if owner is not self and owner is not self._original_module:
+                kind = type(self._original_module).__name__
+                raise ValueError(f"mark_forward_method takes a method of this model ({kind}), got {name!r}; pass "
+                                 f"the method's name or `model.method`.")
+            name = name.__name__
+        if not isinstance(name, str):
+            raise TypeError(f"mark_forward_method takes a method or its name, got {name!r}.")
         if not callable(getattr(self._original_module, name, None)):
             raise AttributeError(f"{type(self._original_module).__name__} has no method {name!r} to mark.")
         if name == "forward":

@@ -5,6 +5,7 @@ import argparse
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -271,3 +272,77 @@ def test_a_lightning_module_knows_its_fabric_and_logs_through_it(Fabric):
     module = _setup_a_lightning_module(fabric)
     assert module.fabric is fabric and module.logger is logger
     assert [{k: float(v) for k, v in r.items()} for r in logger.records] == [{"seen": 2.0}]
+
+
+# --- one step off the workloads' path (issue 40): each item a ported script met, same on core and Lightning ---
+class Generates(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.linear(x)
+
+    def generate(self, x):
+        return 2 * self(x)
+
+
+def test_mark_forward_method_takes_the_method_itself(Fabric):
+    model = Fabric(accelerator="cpu").setup(Generates())
+    model.mark_forward_method(model.generate)  # the first form Lightning's docs show
+    assert model.generate(torch.ones(1, 2)).shape == (1, 2)
+
+
+class NoArgumentZeroGrad(torch.optim.SGD):
+    def zero_grad(self):  # an optimizer whose zero_grad takes nothing (some third-party ones)
+        super().zero_grad(set_to_none=True)
+
+
+def test_zero_grad_passes_only_what_it_is_given(Fabric):
+    fabric = Fabric(accelerator="cpu")
+    model = nn.Linear(2, 1)
+    model, optimizer = fabric.setup(model, NoArgumentZeroGrad(model.parameters(), lr=0.1))
+    fabric.backward(model(torch.ones(1, 2)).sum())
+    optimizer.zero_grad()
+    assert model.weight.grad is None
+
+
+def test_a_set_up_loader_copies_and_pickles(Fabric):
+    import copy
+    import pickle
+    loader = Fabric(accelerator="cpu").setup_dataloaders(DataLoader(torch.arange(4), batch_size=2))
+    for clone in (copy.copy(loader), pickle.loads(pickle.dumps(loader))):
+        assert [b.tolist() for b in clone] == [[0, 1], [2, 3]]
+
+
+class RecordingLogger:
+    """A logger with Lightning's signature, keyword arguments only past metrics."""
+
+    def __init__(self):
+        self.rows = []
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((metrics, step))
+
+
+def test_log_dict_gives_numbers_by_keyword_and_refuses_a_tensor_of_several_elements(Fabric):
+    logger = RecordingLogger()
+    fabric = Fabric(accelerator="cpu", loggers=logger)
+    fabric.log_dict({"loss": torch.tensor(0.5)}, step=3)
+    assert logger.rows == [({"loss": 0.5}, 3)]
+    with pytest.raises(ValueError):
+        fabric.log("weights", torch.ones(3))
+
+
+@pytest.mark.parametrize("seed", [np.int64(7), "7", torch.tensor(7)])
+def test_seed_everything_takes_what_int_takes(Fabric, seed, monkeypatch):
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    assert Fabric.seed_everything(seed) == 7
+
+
+def test_launch_refuses_a_function_it_cannot_call_before_starting_anything(Fabric):
+    fabric = Fabric(accelerator="cpu")
+    with pytest.raises(TypeError):
+        fabric.launch(None)
+    with pytest.raises(TypeError):
+        fabric.launch(lambda: None)  # takes no Fabric
