@@ -48,7 +48,8 @@ class FabricModule(nn.Module):
         if precision.passthrough and forward_module is original_module and not guard:
             # 32-true on one device: nothing to add, so nn.Module.__call__ (hooks included) calls the module
             d["forward"] = forward_module
-        if guard:
+        if guard:  # the module itself too: a method that is not marked may call `self(x)`
+            _SubmoduleGuard(self, None, original_module)
             for name, child in original_module.named_children():
                 _SubmoduleGuard(self, name, child)
         for name in STEP_METHODS:  # a LightningModule-style step runs the model: route it like forward
@@ -165,8 +166,9 @@ class FabricModule(nn.Module):
 
 
 class _SubmoduleGuard:
-    """Forward pre-hook on each child of a module wrapped for gradient sync: a child called outside
-    the wrapper (`ae.encoder(x)`) while gradients are recorded would silently skip the sync."""
+    """Forward pre-hook on a module wrapped for gradient sync and on each of its children (`name` None: the
+    module itself): called outside the wrapper (`ae.encoder(x)`, or an unmarked method's `self(x)`) while
+    gradients are recorded, it would silently skip the sync."""
 
     def __init__(self, wrapper: FabricModule, name: str, child: nn.Module):
         self.wrapper, self.name = weakref.ref(wrapper), name  # the child must not keep the wrapper alive
@@ -182,12 +184,13 @@ class _SubmoduleGuard:
         if wrapper.__dict__["_running"] or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return
         kind = type(wrapper._original_module).__name__
+        what, call = (f"The set-up {kind}", "model.module(x)") if self.name is None else \
+            (f"Submodule {self.name!r} of the set-up {kind}", f"model.{self.name}(x)")
         raise RuntimeError(
-            f"Submodule {self.name!r} of the set-up {kind} was called outside its distributed wrapper "
-            f"(as `model.{self.name}(x)`, or inside a method that is not marked), so its gradients "
-            f"would not be synchronised across processes. Call the set-up model itself, or route the "
-            f"method through the wrapper with `model.mark_forward_method('name')`. Calls under "
-            f"`torch.no_grad()` are allowed.")
+            f"{what} was called outside its distributed wrapper (as `{call}`, or inside a method that is not "
+            f"marked), so its gradients would not be synchronised across processes. Call the set-up model "
+            f"itself, or route the method through the wrapper with `model.mark_forward_method('name')`. Calls "
+            f"under `torch.no_grad()` are allowed.")
 
 
 class FabricOptimizer:

@@ -82,6 +82,29 @@ def test_guard_refuses_a_child_called_outside_and_allows_the_rest():
     model.generate(x).sum().backward()
 
 
+def test_guard_refuses_an_unmarked_method_that_calls_the_module_itself():
+    """A method that calls `self(x)` on a module whose forward uses only its own parameters calls no child:
+    the guard on the module itself must catch it, or DDP's gradient sync is skipped without a word."""
+    class OwnWeight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 2))
+
+        def forward(self, x):
+            return x @ self.weight
+
+        def generate(self, x):
+            return self(x)
+
+    model = guarded(OwnWeight())
+    x = torch.randn(3, 4)
+    model(x).sum().backward()  # through the wrapper: allowed
+    with pytest.raises(RuntimeError, match="The set-up OwnWeight was called outside its distributed wrapper"):
+        model.generate(x)
+    model.mark_forward_method("generate")
+    model.generate(x).sum().backward()
+
+
 def test_guard_allows_activation_checkpointing_to_recompute_a_child():
     class Checkpointed(Net):
         def forward(self, x):
