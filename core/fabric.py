@@ -218,7 +218,8 @@ class Fabric(Conveniences):
             f"an optimizer built before setup_module holds the unsharded parameters), and core needs that module: "
             f"checkpoints name the optimizer's state by its parameter names. Create the optimizer after "
             f"setup_module, from the returned module's parameters: `model = fabric.setup_module(model); optimizer "
-            f"= Adam(model.parameters())`, or set both up together: `fabric.setup(model, optimizer)`.")
+            f"= Adam(model.parameters())`, or set both up together: `fabric.setup(model, optimizer)`. A free "
+            f"nn.Parameter belongs on a model too: `model.log_alpha = nn.Parameter(...)` before setup.")
 
     def _prepare(self, module: nn.Module, move_to_device: bool) -> nn.Module:
         self._set_up_modules.add(module)

@@ -64,9 +64,12 @@ def check_ownership(module: nn.Module, optimizers) -> None:
         foreign = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in own)
         if foreign:
             raise ValueError(f"Optimizer {i} ({type(opt).__name__}) has {foreign} parameter(s) that do not "
-                             f"belong to the {type(module).__name__} it is set up with. Set each optimizer up "
-                             f"with the module whose parameters it updates, or group the models under one "
-                             f"nn.Module.")
+                             f"belong to the {type(module).__name__} it is set up with (a checkpoint names an "
+                             f"optimizer's state by its module's parameter names, and under ddp only the module's "
+                             f"wrapper synchronises gradients). Set each optimizer up with the module whose "
+                             f"parameters it updates; group two models that share one under one nn.Module; "
+                             f"register a free nn.Parameter on the model before setup "
+                             f"(`model.log_alpha = nn.Parameter(...)`).")
 
 
 def module_of_loss(loss: torch.Tensor, modules: list) -> FabricModule:

@@ -34,9 +34,11 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 ONE_PROCESS = ["single:32-true", "single:bf16-mixed", "single:16-mixed", "single:bf16-true"]
-TWO_PROCESSES = ["ddp:32-true", "ddp:bf16-mixed", "ddp:16-mixed", "fsdp:32-true", "fsdp:bf16-mixed",
-                 "fsdp:bf16-true", "deepspeed_stage_1:32-true", "deepspeed_stage_2:32-true",
-                 "deepspeed_stage_3:32-true", "deepspeed_stage_2:bf16-mixed"]
+# (fsdp:16-mixed and DeepSpeed's float16 on the CPU are refused by Fabric(): cells of refusals only)
+TWO_PROCESSES = ["ddp:32-true", "ddp:bf16-mixed", "ddp:16-mixed", "ddp:bf16-true", "fsdp:32-true",
+                 "fsdp:bf16-mixed", "fsdp:bf16-true", "fsdp:16-mixed", "deepspeed_stage_1:32-true",
+                 "deepspeed_stage_2:32-true", "deepspeed_stage_3:32-true", "deepspeed_stage_1:16-mixed",
+                 "deepspeed_stage_2:bf16-mixed", "deepspeed_stage_3:bf16-mixed", "deepspeed_stage_1:bf16-true"]
 SAMPLES, BATCH = 16, 4
 CORE = str(Path(__file__).resolve().parent.parent / "core")
 
@@ -320,8 +322,9 @@ def run_plain(program: dict, strategy: str, precision: str, seed: int, tmp: Path
 
     distributed = strategy != "single"
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    engines = strategy.startswith("deepspeed")
     models = make_models(program, seed)
-    if precision == "bf16-true":
+    if precision == "bf16-true" and not engines:  # a DeepSpeed engine converts the module itself
         models = [m.to(torch.bfloat16) for m in models]
     set_up = []
     for index, (model, spec) in enumerate(zip(models, program["models"])):
@@ -344,7 +347,7 @@ def run_plain(program: dict, strategy: str, precision: str, seed: int, tmp: Path
                       "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                       "managed_gradient_accumulation": False, "zero_allow_untested_optimizer": True,
                       "zero_force_ds_cpu_optimizer": False, "steps_per_print": 2**31}
-            if precision == "bf16-mixed":
+            if precision.startswith("bf16"):  # DeepSpeed's bf16: bfloat16 weights, float32 master weights
                 config["bf16"] = {"enabled": True}
             # the scheduler built before the engine schedules the optimizer the engine steps
             optimizers = [opt for _, opt in raw]
@@ -387,7 +390,7 @@ class PlainOps:
     def forward(self, i, x):
         model = self.set_up[i][0]
         call = model if self.frozen_model == i else self.wrappers[i]  # frozen: around the DDP wrapper
-        if self.precision == "bf16-true" or (self.engines and self.precision == "bf16-mixed"):
+        if self.precision == "bf16-true" or (self.engines and self.precision.startswith("bf16")):
             return call(x.to(torch.bfloat16)).float()
         if self.precision in ("bf16-mixed", "16-mixed"):
             with torch.autocast("cpu", dtype=torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16):

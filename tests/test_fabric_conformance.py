@@ -346,3 +346,14 @@ def test_launch_refuses_a_function_it_cannot_call_before_starting_anything(Fabri
         fabric.launch(None)
     with pytest.raises(TypeError):
         fabric.launch(lambda: None)  # takes no Fabric
+
+
+def test_an_optimizer_over_a_free_parameter_is_refused_with_the_fix():
+    """A difference from Lightning, listed in docs/core.md: Lightning trains a free parameter (and under DDP lets
+    its ranks drift apart); core refuses before the first step and says to register it on the model."""
+    fabric = core.Fabric(accelerator="cpu")
+    model, log_alpha = nn.Linear(2, 1), nn.Parameter(torch.zeros(1))
+    with pytest.raises(ValueError, match=r"register a free nn.Parameter on the model before setup"):
+        fabric.setup(model, torch.optim.Adam([*model.parameters(), log_alpha]))
+    model.log_alpha = log_alpha  # the fix the message gives
+    fabric.setup(model, torch.optim.Adam(model.parameters()))

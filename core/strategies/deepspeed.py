@@ -97,6 +97,13 @@ class DeepSpeed(DDP):
         self.config()  # refuse a config that contradicts the strategy's name now, not at setup
 
     def choose_precision(self, precision):
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        if precision.dtype == torch.float16 and not accelerator.is_fp16_supported():
+            raise ValueError(f"precision={precision.name!r} under strategy={self.name!r}: DeepSpeed's "
+                             f"{accelerator.device_name()} accelerator has no float16 engine. Use 'bf16-mixed' or "
+                             f"'32-true', or strategy='ddp' for 16-mixed with torch's loss scaler.")
         return EnginePrecision(precision)  # the engine converts the module to bf16/fp16 and scales the loss
 
     def config(self) -> dict:
