@@ -141,5 +141,6 @@ def _number(value):
         return value
     if value.numel() != 1:
         raise ValueError(f"fabric.log takes numbers and one-element tensors, got a tensor of shape "
-                         f"{tuple(value.shape)}: log a reduction of it (`.mean()`), or each element under its own name.")
+                         f"{tuple(value.shape)}: log a reduction of it (`.mean()`), or each element under its own "
+                         f"name.")
     return value.item()

@@ -3,7 +3,7 @@
 | name | class | file |
 | --- | --- | --- |
 | 32-true | Precision | `base.py` (the base every mode extends; the loss scaler's bookkeeping) |
-| bf16-mixed, 16-mixed | BFloat16Mixed, Float16Mixed | `mixed.py` (autocast; 16-mixed: one GradScaler for all optimizers) |
+| bf16-mixed, 16-mixed | BFloat16Mixed, Float16Mixed | `mixed.py` (autocast; 16-mixed: one GradScaler) |
 | bf16-true, 16-true, 64-true | BFloat16True, Float16True, Float64True | `true.py` |
 | (under DeepSpeed) | EnginePrecision | `engine.py` |
 

@@ -2,8 +2,9 @@
 
 `Precision` is 32-true and the base of every mode: each method is what 32-true does (nothing), and a mode
 overrides only what it changes. Every precision decision is the mode's: the casts, and how a loss and an
-optimizer's step go through the loss scaler (`scale_loss`, `input_gradients`, `optimizer_step`). A strategy that does part of the work itself asks
-the mode for its variant instead of editing it: FSDP for `fsdp_policy()`, DeepSpeed for `deepspeed_config()`.
+optimizer's step go through the loss scaler (`scale_loss`, `input_gradients`, `optimizer_step`). A strategy
+that does part of the work itself asks the mode for its variant instead of editing it: FSDP for
+`fsdp_policy()`, DeepSpeed for `deepspeed_config()`.
 """
 from contextlib import nullcontext
 

@@ -1,0 +1,116 @@
+"""One program through core: Fabric's setup, backward, clipping, frozen, no_backward_sync, save and load."""
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from tests.contract.compare import results_of
+from tests.contract.programs import make_loader, make_models, make_optimizer, optimizer_params, train
+
+CORE = str(Path(__file__).resolve().parent.parent.parent / "core")
+
+
+def core_error(error: BaseException) -> bool:
+    """A refusal core raised itself, with a message, of a kind a user can act on."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, (ValueError, TypeError, RuntimeError)) and bool(frames) and \
+        frames[-1].filename.startswith(CORE) and len(str(error)) > 20
+
+
+def run_core(program: dict, strategy: str, precision: str, seed: int, tmp: Path) -> dict:
+    from core import Fabric
+
+    if strategy == "single":
+        fabric = Fabric(accelerator="cpu", precision=precision)
+    else:  # a bound on every collective, so a program that hangs one rank fails instead
+        fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2, precision=precision, timeout=120)
+        fabric.launch()
+    models = make_models(program, seed)
+    set_up = []  # (model, [optimizers], [schedulers or None])
+    for index, (model, spec) in enumerate(zip(models, program["models"])):
+        if spec["split"]:
+            model = fabric.setup_module(model)
+        raw = model.module if spec["split"] else model
+        optimizers = [make_optimizer(o["kind"], optimizer_params(raw, o["params"], models[index + 1:]))
+                      for o in spec["optimizers"]]
+        schedulers = [torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if o["scheduler"] == "before" else None
+                      for opt, o in zip(optimizers, spec["optimizers"])]
+        if spec["split"]:
+            optimizers = [fabric.setup_optimizers(opt) for opt in optimizers]
+        else:
+            out = fabric.setup(model, *optimizers)
+            model, optimizers = (out[0], list(out[1:])) if optimizers else (out, [])
+        schedulers = [torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if o["scheduler"] == "after" else s
+                      for opt, o, s in zip(optimizers, spec["optimizers"], schedulers)]
+        set_up.append((model, optimizers, schedulers))
+    loader = make_loader(program, fabric.world_size, fabric.global_rank, shard=False, seed=seed)
+    loader = fabric.setup_dataloaders(loader, use_distributed_sampler=program["loader"] != "batch_sampler")
+    ops = CoreOps(fabric, set_up)
+    return train(program, loader, ops, tmp)
+
+
+class CoreOps:
+    """The calls of one iteration, through core."""
+
+    def __init__(self, fabric, set_up):
+        self.fabric, self.set_up = fabric, set_up
+
+    def start_epoch(self, epoch):
+        pass  # core calls set_epoch on the loader's samplers
+
+    def zero_grad(self, i, set_to_none):
+        for opt in self.set_up[i][1]:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def forward(self, i, x):
+        return self.set_up[i][0](x)
+
+    @contextmanager
+    def frozen(self, i):
+        with self.fabric.frozen(self.set_up[i][0]):
+            yield
+
+    def no_sync(self, indices):
+        return self.fabric.no_backward_sync(*[self.set_up[i][0] for i in indices])
+
+    def backward(self, loss, i):
+        self.fabric.backward(loss, model=self.set_up[i][0])
+
+    def grad(self, output, x, i):
+        return self.fabric.grad(output, x, model=self.set_up[i][0])[0]
+
+    def clip(self, i, how):
+        model, optimizers, _ = self.set_up[i]
+        for opt in optimizers:
+            if how == "norm":
+                self.fabric.clip_gradients(model, opt, max_norm=0.05, error_if_nonfinite=False)
+            else:
+                self.fabric.clip_gradients(model, opt, clip_val=0.01)
+
+    def step(self, i):
+        for opt in self.set_up[i][1]:
+            opt.step()
+
+    def end_of_steps(self):
+        pass  # core's scaler updates before the next scaled loss
+
+    def save(self, path):
+        self.fabric.save(path, self.state())
+
+    def load(self, path):
+        self.fabric.load(path, self.state())
+
+    def state(self):
+        state = {}
+        for i, (model, optimizers, schedulers) in enumerate(self.set_up):
+            state[f"model{i}"] = model
+            for j, (opt, sched) in enumerate(zip(optimizers, schedulers)):
+                state[f"optimizer{i}.{j}"] = opt
+                if sched is not None:
+                    state[f"scheduler{i}.{j}"] = sched
+        return state
+
+    def results(self):
+        return results_of(self.fabric.strategy.name, [(m.module, [o.optimizer for o in opts], m._forward_module)
+                                                      for m, opts, _ in self.set_up])
