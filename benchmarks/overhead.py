@@ -5,13 +5,13 @@ PyTorch that does the same:
   optimizer step and backward;
 - bf16-mixed (core: autocast inside the wrapper's forward, the output cast back to float32; plain: the
   same autocast written around the forward, the same cast);
-- 16-mixed (core: one GradScaler per optimizer, stepped by the wrapped optimizer; plain: a GradScaler
+- 16-mixed (core: one GradScaler, stepped by the wrapped optimizer; plain: a GradScaler
   written out), and core again with its check for a plain `loss.backward()` switched off, to show that
   check's cost;
 - ddp on 2 gloo processes (core: the DDP wrapper called through the set-up module and its submodule
   guard; plain: DistributedDataParallel called directly);
 - the GAN's two models and two optimizers in 16-mixed and DeepSpeed ZeRO-2, where fabric.backward searches
-  the loss's graph for its model (benchmarks/two_models.py).
+  the loss's graph for its model under DeepSpeed (benchmarks/two_models.py).
 
     python -m benchmarks.overhead 32-true                   # one path, prints one RESULT line (json)
     python -m benchmarks.overhead "gan 16-mixed" --quick --slowdown core=0.3   # test-only: core 30% slower

@@ -3,11 +3,10 @@ default sizes of `python -m gan.train`: nz 64, ngf 32, ndf 32, 32 px, the genera
 Adam), one training step of each model as gan/train.py and gan/train_torch.py take it, wrapped against plain
 code that does the same work:
 
-- 16-mixed: core keeps one GradScaler per optimizer, so `fabric.backward` walks the loss's autograd graph in
-  Python to find which model (and so which scaler) a loss is for (core/validation.py `module_of_loss`). On
-  CPU, core's 16-mixed is `torch.autocast("cpu", dtype=torch.float16)` around each set-up module's forward,
-  its outputs cast back to float32, and `torch.amp.GradScaler("cpu")` per optimizer (core/precision.py):
-  the plain side writes out exactly that.
+- 16-mixed: on CPU, core's 16-mixed is `torch.autocast("cpu", dtype=torch.float16)` around each set-up
+  module's forward, its outputs cast back to float32, and one `torch.amp.GradScaler("cpu")` for both
+  optimizers, updated after each model's step (core/precision/base.py): the plain side writes out exactly that,
+  torch's recipe for several models.
 - deepspeed_stage_2 (32-true, one process): core makes one engine per model, and `fabric.backward` walks the
   graph to find the engine; the plain side calls `deepspeed.initialize` twice with the config core builds
   (checked equal) and steps the engines itself.
@@ -88,7 +87,7 @@ def sixteen_mixed() -> dict:
 
     real, noise = _data()
     generator, discriminator, optimizer_g, optimizer_d = _models()
-    scaler_g, scaler_d = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    scaler = torch.amp.GradScaler("cpu")
 
     def autocast(module, x):  # what core's 16-mixed does around a set-up module's forward
         with torch.autocast("cpu", dtype=torch.float16):
@@ -99,9 +98,9 @@ def sixteen_mixed() -> dict:
         fake = autocast(generator, noise)
         loss_d = _losses(autocast(discriminator, real), autocast(discriminator, fake.detach()))
         optimizer_d.zero_grad(set_to_none=True)
-        scaler_d.scale(loss_d).backward()
-        scaler_d.step(optimizer_d)
-        scaler_d.update()
+        scaler.scale(loss_d).backward()
+        scaler.step(optimizer_d)
+        scaler.update()
         discriminator.requires_grad_(False)
         try:
             logits = autocast(discriminator, fake)
@@ -109,9 +108,9 @@ def sixteen_mixed() -> dict:
             discriminator.requires_grad_(True)
         loss_g = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
         optimizer_g.zero_grad(set_to_none=True)
-        scaler_g.scale(loss_g).backward()
-        scaler_g.step(optimizer_g)
-        scaler_g.update()
+        scaler.scale(loss_g).backward()
+        scaler.step(optimizer_g)
+        scaler.update()
 
     fabric = Fabric(accelerator="cpu", precision="16-mixed")
     return _sides(fabric, plain, generator, discriminator, real, noise)

@@ -15,7 +15,8 @@ objects. Every format writes and reads through `files.py` (atomic writes, `weigh
 The one file is what a Fabric user expects of `torch.load(path)`: their own keys at the top, each module a
 state dict and each optimizer a state dict that `optimizer.load_state_dict` takes as it is (Lightning's
 `Fabric.load` reads it too); under MARKER sit the format's version and, per optimizer, the names of its
-parameters (so that it loads under any strategy) and its loss scale. Files of version 2 (everything under
+parameters (so that it loads under any strategy) and the loss scaler's state (16-mixed has one for every
+optimizer: each entry holds it, and loading any restores it). Files of version 2 (everything under
 "state") are still read.
 """
 from pathlib import Path
@@ -71,7 +72,7 @@ def read(path) -> dict:
 
 def collect(state: dict, strategy, precision, module_of: dict) -> dict:
     """What `fabric.save` writes for `state`: set-up modules and optimizers as the strategy's state dicts
-    (with each optimizer's loss scale), other modules and optimizers as their state dicts, the rest as is.
+    (with the loss scaler's state beside each optimizer), other modules and optimizers as their state dicts, the rest as is.
     `module_of` maps id(wrapped optimizer) to the FabricModule it updates."""
     def state_of(value):
         if isinstance(value, FabricModule):
