@@ -272,3 +272,51 @@ def test_deepspeed_takes_a_config_file_and_bf16(tmp_path):
     run([str(script), str(config), str(tmp_path / "out.json")], timeout=300)
     assert json.loads((tmp_path / "out.json").read_text()) == {"dtype": "torch.float32", "bf16": True,
                                                                "clipping": 1.0}
+
+
+def _batch_sampler_orders(fabric):
+    """Each epoch's order of this rank's share, from a DistributedSampler inside a BatchSampler (set up with
+    use_distributed_sampler=False, as core's error for a batch sampler asks), and the plain loop's."""
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+    dataset = torch.arange(16)
+    sampler = DistributedSampler(dataset, fabric.world_size, fabric.global_rank, shuffle=True, seed=3)
+    loader = fabric.setup_dataloaders(DataLoader(dataset, batch_sampler=BatchSampler(sampler, 4, False)),
+                                      use_distributed_sampler=False)
+    plain = DistributedSampler(dataset, fabric.world_size, fabric.global_rank, shuffle=True, seed=3)
+    orders = []
+    for epoch in range(3):
+        plain.set_epoch(epoch)
+        orders.append(([i for batch in loader for i in batch.tolist()], list(plain)))
+    return orders
+
+
+def test_a_batch_samplers_distributed_sampler_gets_each_epoch_under_ddp():
+    orders = Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_batch_sampler_orders)
+    assert all(core_order == plain_order for core_order, plain_order in orders)
+    assert orders[0][0] != orders[1][0]  # a new order each epoch
+
+
+def test_a_scheduler_built_after_setup_under_deepspeed_schedules_the_engines_optimizer(tmp_path):
+    pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+    script = tmp_path / "sched.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys, torch
+        from torch import nn
+        from core import Fabric
+        fabric = Fabric(accelerator="cpu", strategy="deepspeed_stage_2", devices=2)
+        fabric.launch()
+        model = nn.Linear(4, 1)
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # on what setup returned
+        for _ in range(3):
+            fabric.backward(model(torch.randn(3, 4)).sum())
+            optimizer.step()
+            scheduler.step()
+        engine = model._forward_module
+        if fabric.is_global_zero:
+            open(sys.argv[1], "w").write(json.dumps({"engine": engine.optimizer.param_groups[0]["lr"],
+                                                      "scheduler": scheduler.get_last_lr()}))
+    """))
+    run([str(script), str(tmp_path / "out.json")], timeout=300)
+    assert json.loads((tmp_path / "out.json").read_text()) == {"engine": 0.125, "scheduler": [0.125]}
