@@ -145,10 +145,10 @@ class RunConfig:
                               "tensorboard (tensorboard/ in it; needs the tensorboard extra), or none", choices=LOGGERS)
 
     def check(self):
-        for name in ("max_steps", "batch_size", "accumulate"):
+        for name in ("max_steps", "batch_size", "accumulate", "log_every"):  # log_every: also the loss check's
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("checkpoint_every", "num_workers", "log_every", "warmup_steps"):
+        for name in ("checkpoint_every", "num_workers", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.warmup_steps and self.lr_schedule == "constant":

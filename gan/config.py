@@ -16,7 +16,7 @@ class Config(RunConfig):
     ndf: int = flag(32, "discriminator feature maps in its first layer (the paper's ndf)")
     lr: float = flag(2e-4, "Adam learning rate of both models")
     beta1: float = flag(0.5, "Adam beta1 of both models")
-    sample_every: int = flag(250, "save a sample grid every N steps")
+    sample_every: int = flag(250, "save a sample grid every N steps (0: only at the end)")
     eval_samples: int = flag(360, "generated images for the score (the digits held-out size)")
     ema_decay: float = flag(0.999, "decay of the exponential moving average of the generator's weights, which is "
                                    "scored beside the raw generator (0: no average)")
@@ -64,8 +64,9 @@ class Config(RunConfig):
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"--ema-decay must be in [0, 1) (0 turns the average off), got {self.ema_decay}")
         parse_policy(self.augment)
-        if self.eval_every < 0:
-            raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
+        for name in ("eval_every", "sample_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.r1_gamma < 0 or self.r1_every < 1:
             raise ValueError(f"--r1-gamma must be >= 0 and --r1-every >= 1, got {self.r1_gamma} and {self.r1_every}")
         strategy = getattr(self, "strategy", "")  # core's flags, merged in the wrapped script

@@ -104,9 +104,8 @@ def main(config: Config) -> dict:
                                                          "d_real": torch.sigmoid(logits_real).mean().item(),
                                                          "d_fake": torch.sigmoid(logits_fake).mean().item()}):
             break
-        if state["step"] % config.sample_every == 0:
-            with torch.no_grad():
-                save_samples(run, generator(fixed_noise), state["step"])
+        if config.sample_every and state["step"] % config.sample_every == 0:  # in eval mode: BatchNorm untouched
+            save_samples(run, generate(generator, fixed_noise), state["step"])
         if config.eval_every and state["step"] % config.eval_every == 0:  # every rank generates, rank 0 scores
             fid = fabric.broadcast(evaluate(run, config, generate(generator, eval_noise, ema), state["step"]))
             if fid < state["best_fid"]:  # rank 0's score: every rank takes the same decision

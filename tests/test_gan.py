@@ -12,7 +12,7 @@ from PIL import Image
 
 from benchmarks.workloads import WORKLOADS
 from common.config import merge
-from core.checkpoint import load_checkpoint
+from core.checkpoint import read
 from core.cli import FabricFlags
 from gan import train, train_torch
 from gan.config import Config
@@ -24,7 +24,7 @@ TINY = {**WORKLOADS["gan"].generated_data, **WORKLOADS["gan"].small, "log_every"
 
 def weights(run_dir, plain=False):
     path = run_dir / "checkpoints" / "last.ckpt"
-    state = torch.load(path, weights_only=True) if plain else load_checkpoint(path)
+    state = torch.load(path, weights_only=True) if plain else read(path)  # read: a file or fsdp's folder
     return {f"{m}.{k}": v for m in ("generator", "discriminator") for k, v in state[m].items()}
 
 
@@ -38,6 +38,33 @@ def test_plain_and_wrapped_train_bitwise_equal(tmp_path):
     train_torch.main(Config(**TINY, max_steps=6, out=str(tmp_path / "plain")))
     train.main(merge(Config, FabricFlags)(**TINY, max_steps=6, out=str(tmp_path / "wrapped"), accelerator="cpu"))
     assert_equal(weights(tmp_path / "plain", plain=True), weights(tmp_path / "wrapped"))
+
+
+DRAWS = {"drawing": ["--sample-every", "1", "--eval-every", "2"], "none": ["--sample-every", "0"]}
+
+
+@pytest.mark.parametrize("script", [train_torch, train], ids=["plain", "wrapped"])
+def test_drawing_for_the_user_leaves_training_bitwise_unchanged(tmp_path, script):
+    """Sample grids and scores run the generator in eval mode: a run that draws at every step ends with the
+    weights and BatchNorm statistics of a run that draws nothing."""
+    config = merge(Config, FabricFlags) if script is train else Config
+    cpu = {"accelerator": "cpu"} if script is train else {}
+    small = {**WORKLOADS["gan"].small, "max_steps": 4, "log_every": 2}
+    script.main(config(**small, sample_every=1, eval_every=2, out=str(tmp_path / "drawing"), **cpu))
+    script.main(config(**small, sample_every=0, out=str(tmp_path / "none"), **cpu))
+    plain = script is train_torch
+    assert_equal(weights(tmp_path / "drawing", plain), weights(tmp_path / "none", plain))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_drawing_for_the_user_leaves_training_unchanged_on_two_processes(tmp_path, strategy):
+    flags = ["--strategy", strategy, "--devices", "2", "--max-steps", "4", "--log-every", "2", "--batch-size", "8",
+             "--ngf", "8", "--ndf", "8", "--nz", "16", "--eval-samples", "8"]
+    for name, draws in DRAWS.items():
+        run(["-m", "gan.train", *flags, *draws, "--out", str(tmp_path / name)], timeout=300)
+    assert_equal(weights(tmp_path / "drawing"), weights(tmp_path / "none"))
 
 
 def test_both_variants_compute_d_gradients_in_the_d_step_only(tmp_path, monkeypatch):
@@ -226,6 +253,8 @@ def test_16_mixed_on_the_cpu_says_so_at_start(tmp_path):
     (["--devices", "0"], "devices must be a whole number >= 1"),
     (["--devices", "999"], "devices=999 but this machine has"),
     (["--max-steps", "0"], "--max-steps must be >= 1"),
+    (["--log-every", "0"], "--log-every must be >= 1"),
+    (["--sample-every", "-1"], "--sample-every must be >= 0"),
     (["--dataset", "mnist", "--data-root", "/nonexistent"], "--data-root /nonexistent does not exist"),
     (["--strategy", "fsdp", "--precision", "16-mixed"], "'16-mixed' is not supported with strategy='fsdp'"),
     (["--augment", "translation,rotate"], "--augment takes 'none' or a comma-separated list of color, translation"),
@@ -239,6 +268,7 @@ def test_cli_misuse_exits_2_with_one_line(args, message, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("python -m gan.train: error:"), result.stderr
     assert message in lines[0]
+    assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
 @pytest.mark.parametrize("script", [train_torch, train], ids=["plain", "wrapped"])

@@ -99,7 +99,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     # a scheduler may step in an iteration whose optimizer did not (a model without one, a skipped overflow)
     warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # "untested optimizer", once per engine
+    # DeepSpeed's "untested optimizer", once per engine (a filter: its import sets the logger's level)
+    logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
     if args.devices == 2:
         from core import Fabric
         Fabric(accelerator="cpu", strategy="ddp", devices=2).launch()  # the process group every program shares
