@@ -431,6 +431,7 @@ class Fabric(Conveniences):
         objects, an argparse.Namespace say, whose loading runs code from the file)."""
         held = None if state is None else \
             (lambda: checkpoint.collect(state, self._strategy, self._precision, self._module_of))
+        checkpoint.recover(path)  # a save of this path killed in its renames or its cleanup
         with checkpoint.trusted(weights_only is False):
             saved = self._strategy.load_checkpoint(path, held)
         if state is None:

@@ -104,29 +104,49 @@ def clear_directory(tmp: Path, rank: int, barrier) -> None:
 
 def replace_directory(tmp: Path, path: Path, rank: int, barrier) -> None:
     """Once every rank has written `tmp`: move it to `path` (rank 0). `path` is first moved aside to
-    `.NAME.old`, which `recover` puts back if the process died between the two renames."""
+    `.NAME.old` and removed after the second rename; `recover` mends what a kill at any point between left."""
     barrier()
     if rank == 0:
         if tmp.is_dir():  # (atomic_save also moves a file here over an earlier strategy's directory)
             (tmp / ".created-by-rank-0").unlink(missing_ok=True)  # clear_directory's
-        old = path.with_name(f".{path.name}.old")
+        recover(path)  # an earlier save killed in its renames or its cleanup
+        old = aside(path)
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+        remove(old)
     barrier()
 
 
-def recover(path: Path) -> None:
-    """Put back the checkpoint at `.NAME.old` when `path` is missing: a replace_directory killed between its two
-    renames (every rank may call it; the first one's rename wins)."""
-    old = path.with_name(f".{path.name}.old")
-    if not path.exists() and old.exists():
-        try:
-            os.rename(old, path)
-        except OSError:
-            if not path.exists():
-                raise
+def aside(path: Path) -> Path:
+    """Where replace_directory keeps the checkpoint it replaces until the new one is in place."""
+    return path.with_name(f".{path.name}.old")
+
+
+def remove(path: Path) -> None:
+    """Delete a file or a directory tree if it is there (several ranks may remove the same one at once)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def recover(path) -> None:
+    """Mend what a replace_directory killed at any point left: with `path` missing, put the checkpoint at
+    `.NAME.old` back (killed between the two renames; every rank may call this, the first rename wins); with
+    `path` whole, delete `.NAME.old` (killed while removing it), which would otherwise stop the next save."""
+    path = Path(path)
+    old = aside(path)
+    if not old.exists() and not old.is_symlink():
+        return
+    if path.exists():  # `path` is only ever a finished checkpoint renamed into place
+        remove(old)
+        return
+    try:
+        os.rename(old, path)
+    except OSError:
+        if not path.exists():
+            raise
 
 
 def load_checkpoint(path, raw: bool = False) -> dict:
