@@ -35,8 +35,16 @@ def main(config: Config) -> dict:
         torch.cuda.set_device(device)  # NCCL and any bare .cuda() then use this rank's GPU, not cuda:0
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:  # the process group is torn down on every way out: finished, stopped, or an error
+        return train(config, rank, world_size, device)
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
+
+
+def train(config: Config, rank: int, world_size: int, device: torch.device) -> dict:
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out, "autoencoder", write=rank == 0)
+    run = RunDir(config.out, "autoencoder", write=rank == 0, resume=config.resume)
 
     train_set, test_set = load_splits(config.dataset, config.data_root, config.image_size, config.download)
     loader = make_loader(train_set, config.batch_size, config.seed, config.num_workers, rank, world_size,
@@ -87,8 +95,6 @@ def main(config: Config) -> dict:
     model.eval()
     results = evaluate(getattr(model, "module", model), test_set, train_set, device)  # DDP is not needed here
     summary = finish(run, config, results, started, state["step"])
-    if world_size > 1:
-        dist.destroy_process_group()
     return summary
 
 

@@ -23,13 +23,13 @@ def load_plain(path: Path, state: dict, device) -> None:
     if path.is_dir():
         raise ValueError(f"--resume {path}: a sharded (fsdp) or DeepSpeed checkpoint directory, which the plain "
                          f"scripts do not read. Make one file of it first: python -m core.convert {path} plain.ckpt, "
-                         f"then --resume plain.ckpt")
+                         f"then --resume plain.ckpt --out NEW_RUN_DIR")
     saved = torch.load(path, map_location=device, weights_only=True)
     missing = [key for key in state if key not in saved]
     if missing:
         raise ValueError(f"--resume {path} holds no {', '.join(missing)}: not a checkpoint of this workload, or one "
                          f"written by an older version of the wrapped script; make one file of it with "
-                         f"python -m core.convert {path} plain.ckpt, then --resume plain.ckpt")
+                         f"python -m core.convert {path} plain.ckpt, then --resume plain.ckpt --out NEW_RUN_DIR")
     for key, value in state.items():
         if not hasattr(value, "load_state_dict"):
             state[key] = saved[key]

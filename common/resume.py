@@ -13,9 +13,10 @@ except those given again on the command line (a changed flag that changes what i
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
-from common.rundir import LAST
+from common.rundir import LAST, holds_run
 
 # Fields that do not change what is trained: they may differ between a run and its resume. Every other
 # field given on a resume's command line must equal the run's (check_resume_config).
@@ -101,14 +102,6 @@ def run_of(checkpoint: Path) -> Path | None:
     return parent.parent if parent.name == "checkpoints" and (parent.parent / "config.json").is_file() else None
 
 
-def holds_run(path: Path) -> list[str]:
-    """The files that make `path` a run's directory (empty: it holds none)."""
-    found = [name for name in ("config.json", "metrics.jsonl", "summary.json") if (path / name).exists()]
-    if (path / "checkpoints").is_dir() and any((path / "checkpoints").iterdir()):
-        found.append("checkpoints/")
-    return found
-
-
 def saved_config(run: Path | None, config) -> dict:
     """The settings the run in `run` was started with; a flag it predates counts as the value it ran with
     (the config's `saved_before`)."""
@@ -142,9 +135,14 @@ def check_resume_config(checkpoint: Path, config) -> None:
     if differ:
         raise ValueError("cannot resume: the checkpoint's run used other settings for " + ", ".join(differ) +
                          ". Drop those flags (a resume keeps the run's own), or start a new run.")
+    precision = saved.get("precision", "32-true")
+    if "precision" not in current and precision not in ("32-true", "32"):  # a plain script resuming a wrapped run
+        _say(f"[resume] the run trained in --precision {precision}; this script computes in float32 from here on, "
+             f"so the rest of the run differs from the one it would have been (resume it with the wrapped script "
+             f"to keep {precision})", stderr=True)
 
 
-def _say(message: str) -> None:
+def _say(message: str, stderr: bool = False) -> None:
     """Print once per run: on the process that will be rank 0 (before launch, the only one)."""
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
-        print(message, flush=True)
+        print(message, flush=True, file=sys.stderr if stderr else sys.stdout)

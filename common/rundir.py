@@ -44,15 +44,16 @@ def _remove_if_empty(path: Path) -> None:
 
 
 class RunDir:
-    """A run's directory, written by rank 0 (`write`). An --out appears with the run's first file
-    (config.json, written once data, models and any resumed checkpoint have loaded); a default directory is
-    claimed at once and removed again if the run fails before writing to it."""
+    """A run's directory, written by rank 0 (`write`). An --out appears with the run's first file (config.json,
+    written once data, models and any resumed checkpoint have loaded), claimed atomically for a new run; a default
+    directory is claimed at once and removed again if the run fails before writing to it."""
 
     def __init__(self, out: str, workload: str, write: bool = True, collectives=None, resume: str = ""):
         """`out`: the run directory resolve_run chose ("" for a new default one). `collectives`: an object with
         Fabric's `broadcast` and `all_reduce` (the Fabric), so that all ranks agree on a default name, on seeing
         the run directory and on `resume`, the checkpoint resolve_run found (each process looked for itself: a
         node that does not see the run directory would start afresh while the others resume)."""
+        self.claim = write and bool(out) and not resume  # a new run in a named --out (a default one: by its name)
         if write:
             if out:
                 _check_writable(Path(out))
@@ -87,12 +88,15 @@ class RunDir:
             return
         if config.resume:
             print(f"Resumed from {config.resume} at step {step}, writing to {self.path}", flush=True)
+        if self.claim:
+            _claim(self.path)
         self._create()
         kept = [r for r in self.metrics() if r["step"] <= step]
         if (self.path / "metrics.jsonl").exists():  # created by the first record, not before: a run shows it
             with open(self.path / "metrics.jsonl", "w") as f:  # has trained once metrics.jsonl is there
                 f.writelines(json.dumps(r) + "\n" for r in kept)
         self.write_json("config.json", {"workload": self.workload, **dataclasses.asdict(config)})
+        (self.path / CLAIM).unlink(missing_ok=True)  # config.json holds the directory for this run from now on
         self.loggers = make_loggers(config.logger, self.path, kept, step)  # the same records, also cut at `step`
 
     def log(self, record: dict) -> None:
@@ -191,6 +195,52 @@ def _check_shared(path: Path, write: bool, collectives) -> None:
         raise ValueError(f"{where} the run directory {path.resolve()} that rank 0 (on host {host}) writes: it must "
                          f"be on a filesystem every node sees (every rank reads the checkpoints, and under fsdp "
                          f"and deepspeed writes its shard there); pass an --out on shared storage")
+
+
+CLAIM = ".starting"  # in a named --out while a new run writes its first file there
+
+
+def _claim(path: Path) -> None:
+    """Take `path` for a new run, atomically (O_EXCL), before its first file: of two runs started at once with the
+    same new --out, which both passed resolve_run's check before either wrote a file, the second is refused. The
+    claim lasts until config.json is written (from then on holds_run refuses a new run there); a claim whose
+    process is gone (killed in between) is taken over."""
+    path.mkdir(parents=True, exist_ok=True)
+    claim = path / CLAIM
+    for _ in range(2):
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            host, _, pid = claim.read_text().rpartition(" ")
+            if host != socket.gethostname() or not pid.isdigit() or _alive(int(pid)):
+                raise ValueError(f"--out {path}: another run is starting there (process {pid} on {host}); pass a "
+                                 f"new --out (if no such process runs any more, delete {claim})") from None
+            claim.unlink(missing_ok=True)  # its process is gone
+    os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
+    os.close(fd)
+    if holds_run(path):  # another run started there since resolve_run's check, and wrote its config.json
+        claim.unlink()
+        raise ValueError(f"--out {path} already holds a run ({', '.join(holds_run(path))}), started since this one "
+                         f"was; pass a new --out")
+
+
+def holds_run(path: Path) -> list[str]:
+    """The files that make `path` a run's directory (empty: it holds none)."""
+    found = [name for name in ("config.json", "metrics.jsonl", "summary.json") if (path / name).exists()]
+    if (path / "checkpoints").is_dir() and any((path / "checkpoints").iterdir()):
+        found.append("checkpoints/")
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _check_writable(path: Path) -> None:

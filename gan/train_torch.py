@@ -36,8 +36,16 @@ def main(config: Config) -> dict:
         torch.cuda.set_device(device)  # NCCL and any bare .cuda() then use this rank's GPU, not cuda:0
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:  # the process group is torn down on every way out: finished, stopped, or an error
+        return train(config, rank, world_size, device)
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
+
+
+def train(config: Config, rank: int, world_size: int, device: torch.device) -> dict:
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out, "gan", write=rank == 0)
+    run = RunDir(config.out, "gan", write=rank == 0, resume=config.resume)
 
     dataset = load_images(config.dataset, config.data_root, config.image_size, download=config.download)
     loader = make_loader(dataset, config.batch_size, config.seed, config.num_workers, rank, world_size,
@@ -138,8 +146,6 @@ def main(config: Config) -> dict:
     raw = generate(generator, eval_noise) if config.ema_decay else None  # scored beside the average as raw_*
     best = {"best_step": state["best_step"], "best_fid_classifier": state["best_fid"]} if config.eval_every else None
     summary = finish(run, config, generated, started, state["step"], raw, best)
-    if world_size > 1:
-        dist.destroy_process_group()
     return summary
 
 

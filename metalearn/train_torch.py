@@ -35,8 +35,16 @@ def main(config: Config) -> dict:
         torch.cuda.set_device(device)  # NCCL and any bare .cuda() then use this rank's GPU, not cuda:0
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:  # the process group is torn down on every way out: finished, stopped, or an error
+        return train(config, rank, world_size, device)
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
+
+
+def train(config: Config, rank: int, world_size: int, device: torch.device) -> dict:
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    run = RunDir(config.out, "metalearn", write=rank == 0)
+    run = RunDir(config.out, "metalearn", write=rank == 0, resume=config.resume)
 
     tasks = make_tasks(config.dataset, config.ways, True, config.data_root, config.download)
     test_tasks = make_tasks(config.dataset, config.ways, False, config.data_root, config.download)
@@ -90,8 +98,6 @@ def main(config: Config) -> dict:
 
     results = evaluate(getattr(learner, "module", learner).evaluate, test_tasks, config, device)
     summary = finish(run, config, results, started, state["step"])
-    if world_size > 1:
-        dist.destroy_process_group()
     return summary
 
 

@@ -4,6 +4,7 @@ plain file `python -m core.convert` writes, and the safety of every format."""
 import json
 import os
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -116,6 +117,18 @@ def test_a_sharded_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, m
     assert checkpoint.read(path)["step"] == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
+def test_what_a_killed_replacement_left_is_mended_by_load_and_by_the_next_save(tmp_path):
+    """The two states a kill inside replace_directory leaves (tests/test_save_kills.py kills real runs there)."""
+    path, old = tmp_path / "last.ckpt", tmp_path / ".last.ckpt.old"
+    sharded.save(path, {"model": {"w": torch.ones(3)}, "step": 1}, 0, lambda: None)
+    path.rename(old)  # killed between moving the checkpoint aside and moving the new one in
+    assert Fabric(accelerator="cpu").load(path)["step"] == 1 and not old.exists()
+    shutil.copytree(path, old)
+    (old / "state.pt").unlink()  # killed while removing the replaced checkpoint
+    sharded.save(path, {"model": {"w": torch.zeros(3)}, "step": 2}, 0, lambda: None)
+    assert checkpoint.read(path)["step"] == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
 class _Exploit:
     def __init__(self, marker):
         self.marker = marker
@@ -199,3 +212,30 @@ def test_the_plain_script_resumes_a_wrapped_run_exactly(tmp_path):
     plain = torch.load(tmp_path / "plain" / "checkpoints" / "last.ckpt", weights_only=True)
     assert resumed["step"] == plain["step"] == 8
     assert all(torch.equal(resumed["model"][k], plain["model"][k]) for k in plain["model"])
+
+
+@pytest.mark.parametrize("failure", [torch.OutOfMemoryError("CPU out of memory"),
+                                     RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
+                                     ValueError("Size mismatch between saved torch.Size([3]) and current: [4] for w"),
+                                     OSError("unexpected end of file")])
+def test_a_failed_sharded_load_keeps_a_resource_or_peer_failure_as_itself(tmp_path, monkeypatch, failure):
+    """Only keys or shapes that do not fit say "does not match", and only file problems say "could not be read":
+    running out of memory or losing a peer mid-load is not bad input (exit 2) but a failure with its own message."""
+    import traceback
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    sharded.save(tmp_path / "c", {"model": {"w": torch.ones(3)}}, 0, lambda: None)
+
+    def failing(*args, **kwargs):
+        raise CheckpointException("load", {0: (failure, traceback.StackSummary())})
+
+    monkeypatch.setattr(dcp, "load", failing)
+    with pytest.raises(BaseException) as raised:
+        sharded.load_into(tmp_path / "c", {"model": {"w": torch.zeros(3)}})
+    if isinstance(failure, (ValueError, OSError)):
+        assert isinstance(raised.value, CheckpointError)
+        assert ("does not match" if isinstance(failure, ValueError) else "could not be read") in str(raised.value)
+    else:
+        assert raised.value is failure

@@ -287,6 +287,49 @@ def test_a_batch_larger_than_each_rank_share_is_one_line(tmp_path):
     assert "--batch-size 200 x 2 process(es) is more than the" in result.stderr
 
 
+# --- the plain scripts' process group ----------------------------------------------------------------
+
+@pytest.mark.parametrize("ending", ["finished", "SIGTERM", "error"])
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_the_plain_scripts_tear_their_process_group_down_on_every_way_out(tmp_path, monkeypatch, workload, ending):
+    """As torchrun starts them (WORLD_SIZE 2, here a group of one process so that it runs in this one): the run
+    finishes, stops at a SIGTERM (the stop's report returns early), or raises; the group is gone each time."""
+    import importlib
+
+    import torch.distributed as dist
+
+    from common.config import merge
+
+    module = importlib.import_module(f"{workload}.train_torch")
+    real_init = dist.init_process_group
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: real_init(
+        backend, store=dist.HashStore(), rank=0, world_size=1))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    check = StopRequests.check
+
+    def ask(self, step, loss, checkpoint):
+        self.signals[signal.SIGTERM] += ending == "SIGTERM"
+        if ending == "error":
+            raise RuntimeError("a bug in the step")
+        return check(self, step, loss, checkpoint)
+
+    monkeypatch.setattr(StopRequests, "check", ask)
+    config = merge(module.Config)(**WORKLOADS[workload].small, **WORKLOADS[workload].generated_data, max_steps=2,
+                                  log_every=1, out=str(tmp_path / "run"))
+    config.check()
+    try:
+        if ending == "error":
+            with pytest.raises(RuntimeError, match="a bug in the step"):
+                module.main(config)
+        else:
+            module.main(config)
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 # --- the stop decision itself ------------------------------------------------------------------------
 
 def test_a_stop_asked_on_another_rank_stops_this_one(tmp_path):

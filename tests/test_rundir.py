@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import torch
 from autoencoder.config import Config as AutoencoderConfig
 from common.config import merge, parse
 from common.resume import RESUMABLE_CHANGES, resolve_run
+from common import rundir
 from common.rundir import RunDir
 from core.cli import FabricFlags
 from tests.conftest import ROOT, TORCHRUN, run
@@ -356,17 +358,29 @@ def test_a_requeued_torchrun_job_with_resume_auto_continues_bitwise(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# every workload's plain script under torchrun (rendezvous store not shared across restarts: docs/runs.md), and
+# the wrapped GAN under core's own store; each long enough that the kill lands between two checkpoints
+RESTARTED = {
+    "gan.train": ["--strategy", "ddp", "--devices", "2", *GAN_SMALL, "--max-steps", "120"],
+    "gan.train_torch": [*GAN_SMALL, "--max-steps", "120"],
+    "autoencoder.train_torch": ["--batch-size", "8", "--width", "4", "--max-steps", "400"],
+    "metalearn.train_torch": ["--hidden", "16", "--eval-tasks", "10", "--max-steps", "400"],
+}
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_torchrun_max_restarts_continues_a_job_whose_worker_was_killed_bitwise(tmp_path):
+@pytest.mark.parametrize("module", RESTARTED)
+def test_torchrun_max_restarts_continues_a_job_whose_worker_was_killed_bitwise(tmp_path, module):
     """torchrun's own restart: one worker SIGKILLed after a checkpoint; torchrun starts both again with the same
     argv, `--resume auto` continues from the checkpoint, and the weights end as an uninterrupted run's."""
-    args = ["-m", "gan.train", "--strategy", "ddp", "--devices", "2", *GAN_SMALL, "--max-steps", "120",
-            "--checkpoint-every", "40", "--log-every", "10"]
+    args = ["-m", module, *RESTARTED[module], "--checkpoint-every", "40", "--log-every", "10"]
     restarting = [*TORCHRUN[:2], "--max-restarts", "1", *TORCHRUN[2:]]
     job = [sys.executable, *restarting, *args, "--out", str(tmp_path / "job"), "--resume", "auto"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    first = start_and_kill_a_worker(job, tmp_path / "job" / "checkpoints" / "last.ckpt", env, "gan.train")
+    if module.endswith("_torch"):  # what docs/runs.md tells plain users to set; core connects by its own keys
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    first = start_and_kill_a_worker(job, tmp_path / "job" / "checkpoints" / "last.ckpt", env, module)
     stdout, stderr = first.communicate(timeout=300)
     assert first.returncode == 0, stderr[-3000:]
     assert "Resumed from" in stdout and (tmp_path / "job" / "summary.json").exists()
@@ -393,3 +407,36 @@ def test_a_missing_shard_file_is_named_and_the_traceback_switch_shows_the_cause(
     traced = run([*common, "--resume", str(out), "--max-steps", "3"], check=False, timeout=300,
                  env={"SUITE_TRACEBACK": "1"})
     assert "Traceback" in traced.stderr and "CheckpointError" in traced.stderr and shard.name in traced.stderr
+
+
+# --- two runs at once --------------------------------------------------------------------------------
+
+def test_two_new_runs_in_one_named_out_at_once_the_second_gets_one_line(tmp_path):
+    """Both passed resolve_run's check, nothing was written yet: the first to write its first file takes the
+    directory, the other is refused, whether it comes while the first writes or after."""
+    out = tmp_path / "run"
+    config = AutoencoderConfig(out=str(out))
+    first, second, third = (RunDir(str(out), "autoencoder") for _ in range(3))
+    (out.mkdir(), (out / rundir.CLAIM).write_text(f"{socket.gethostname()} {os.getpid()}"))  # first, mid-start
+    with pytest.raises(ValueError, match="another run is starting there .* pass a new --out"):
+        second.start(config, 0)
+    (out / rundir.CLAIM).unlink()
+    first.start(config, 0)
+    assert (out / "config.json").is_file() and not (out / rundir.CLAIM).exists()
+    with pytest.raises(ValueError, match=r"already holds a run \(config.json\), started since this one"):
+        third.start(config, 0)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    other = tmp_path / "other"
+    (other.mkdir(), (other / rundir.CLAIM).write_text(f"{socket.gethostname()} {gone.stdout.strip()}"))
+    RunDir(str(other), "autoencoder").start(AutoencoderConfig(out=str(other)), 0)  # a run killed mid-start
+    assert (other / "config.json").is_file() and not (other / rundir.CLAIM).exists()
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_a_plain_resume_of_a_run_trained_in_another_precision_says_so(tmp_path, capsys, precision):
+    run_dir = make_run(tmp_path / "run", precision=precision, workload="autoencoder")
+    parse(AutoencoderConfig, ["--resume", str(run_dir)])  # the plain script's flags: no --precision
+    said = capsys.readouterr().err
+    assert ("--precision bf16-mixed; this script computes in float32" in said) == (precision == "bf16-mixed"), said
+    parsed("--resume", str(run_dir))  # the wrapped script keeps the run's precision: nothing to say
+    assert "float32" not in capsys.readouterr().err

@@ -117,18 +117,31 @@ def load_into(path, held: dict) -> dict:
         dcp.load(targets, storage_reader=reader)
         return targets
     except CheckpointException as error:  # a BaseException that carries each rank's failure
-        text = "\n".join([str(error), *(str(failure) for failure in getattr(error, "failures", {}).values())])
-        mismatch = [line.strip() for line in text.splitlines() if "Missing key" in line or "Size mismatch" in line]
-        if not mismatch:
-            raise files.CheckpointError(f"The sharded checkpoint {path} could not be read: "
-                                        f"{text.splitlines()[-1][:300]}") from error
-        raise files.CheckpointError(f"The sharded checkpoint {path} does not match the model or optimizer: "
-                                    f"{'; '.join(dict.fromkeys(mismatch))[:600]}. Was it saved from a model of "
-                                    f"another shape, or with another optimizer?") from error
-    except RuntimeError as error:  # DCP's planner: keys or shapes that the model does not have
-        raise files.CheckpointError(f"The sharded checkpoint {path} does not match the model or optimizer: "
-                                    f"{str(error).splitlines()[0][:600]}. Was it saved from a model of "
-                                    f"another shape, or with another optimizer?") from error
+        failures = [f[0] if isinstance(f, tuple) else f for f in getattr(error, "failures", {}).values()]
+        raise _reason(path, failures or [error]) from error
+    except RuntimeError as error:
+        reason = _reason(path, [error])
+        if reason is error:
+            raise
+        raise reason from error
+
+
+def _reason(path, failures: list[BaseException]) -> BaseException:
+    """What a failed DCP load raises: a resource or communication failure (out of memory, a dead peer) as
+    itself, with its own class and message; keys or shapes that the model does not have as "does not match";
+    anything else (a corrupt or truncated file) as unreadable."""
+    for failure in failures:
+        if isinstance(failure, (MemoryError, torch.OutOfMemoryError, ConnectionError, TimeoutError)) or \
+                isinstance(failure, torch.distributed.DistError) or \
+                any(word in str(failure) for word in ("gloo", "NCCL", "Connection closed", "Connection reset")):
+            return failure
+    text = "\n".join(str(failure) for failure in failures)
+    mismatch = [line.strip() for line in text.splitlines() if "Missing key" in line or "Size mismatch" in line]
+    if mismatch:
+        return files.CheckpointError(f"The sharded checkpoint {path} does not match the model or optimizer: "
+                                     f"{'; '.join(dict.fromkeys(mismatch))[:600]}. Was it saved from a model of "
+                                     f"another shape, or with another optimizer?")
+    return files.CheckpointError(f"The sharded checkpoint {path} could not be read: {text.splitlines()[-1][:300]}")
 
 
 def read_full(path) -> dict:
