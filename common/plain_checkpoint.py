@@ -24,7 +24,15 @@ def load_plain(path: Path, state: dict, device) -> None:
         raise ValueError(f"--resume {path}: a sharded (fsdp) or DeepSpeed checkpoint directory, which the plain "
                          f"scripts do not read. Make one file of it first: python -m core.convert {path} plain.ckpt, "
                          f"then --resume plain.ckpt --out NEW_RUN_DIR")
-    saved = torch.load(path, map_location=device, weights_only=True)
+    try:
+        saved = torch.load(path, map_location=device, weights_only=True)
+    except MemoryError:
+        raise
+    except Exception as error:  # truncated, garbage, or pickled objects weights_only refuses (none run)
+        raise ValueError(f"--resume {path} is not a readable checkpoint (truncated, corrupt, or holding objects "
+                         f"other than tensors: {type(error).__name__}); resume from an earlier checkpoint") from error
+    if not isinstance(saved, dict):
+        raise ValueError(f"--resume {path} holds a {type(saved).__name__}, not a checkpoint's dict of state dicts")
     missing = [key for key in state if key not in saved]
     if missing:
         raise ValueError(f"--resume {path} holds no {', '.join(missing)}: not a checkpoint of this workload, or one "

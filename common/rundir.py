@@ -24,7 +24,9 @@ LAST = "last.ckpt"  # the newest checkpoint of a run, in RUN/checkpoints/
 def _new_directory(workload: str) -> Path:
     """Create and return runs/<workload>-<time>[-N], a name no other run holds (mkdir is atomic)."""
     stem = Path("runs") / f"{workload}-{time.strftime('%Y%m%d-%H%M%S')}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
+    if not stem.parent.exists():
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        atexit.register(_remove_if_empty, stem.parent)  # (atexit runs last-in first: after the run's own)
     for number in range(1, 10_000):
         path = stem if number == 1 else stem.with_name(f"{stem.name}-{number}")
         try:

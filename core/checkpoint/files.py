@@ -175,8 +175,12 @@ def load_checkpoint(path, raw: bool = False) -> dict:
         detail = next((line for line in lines if not line.startswith(advice)), lines[-1])
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt: {detail[:200]}). "
                               f"Resume from an earlier checkpoint.") from error
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as error:
-        reason = str(error).split(". Please file an issue")[0].splitlines()[0][:200]  # torch's advice is not ours
+    except MemoryError:
+        raise
+    except Exception as error:  # torch's unpickler meets garbage in many ways (KeyError, IndexError, ...)
+        reason = (str(error).split(". Please file an issue")[0].splitlines() or [""])[0][:200]  # not our advice
+        reason = reason if isinstance(error, (RuntimeError, OSError, EOFError)) and reason else \
+            f"{type(error).__name__}: {reason}"
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt: {reason}). "
                               f"Resume from an earlier checkpoint.") from error
     if isinstance(data, dict) and isinstance(data.get(MARKER), dict):
