@@ -14,3 +14,12 @@ class Config(RunConfig):
     width: int = flag(32, "channels of the first convolution")
     lr_encoder: float = flag(2e-3, "Adam learning rate of the encoder's param group")
     lr_decoder: float = flag(2e-3, "Adam learning rate of the decoder's param group")
+
+    def check(self):
+        super().check()
+        if self.image_size < 4 or self.image_size % 4:  # the encoder halves the side twice
+            raise ValueError(f"--image-size must be a multiple of 4 from 4 up, got {self.image_size}")
+        self.check_at_least(1, "latent", "width")
+        self.check_at_least(0, "lr_encoder", "lr_decoder")
+        self.check_fits({"--width": self.width ** 2, "--latent and --width": self.latent * self.width,
+                         "--batch-size and --image-size": self.batch_size * self.image_size ** 2})

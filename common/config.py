@@ -7,10 +7,14 @@ exits with status 2 and one line: `python -m gan.train: error: ...`.
 """
 import argparse
 import dataclasses
+import math
 import os
 import signal
 import sys
+import sysconfig
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from common.loggers import LOGGERS, check_logger
 from common.resume import resolve_run
@@ -83,8 +87,8 @@ def parse(config_class, argv=None, prog=None, description=None):
 
 
 def cli(main, *config_classes, prog: str, description: str = ""):
-    """Run `main(config)` from the command line: bad input (flags, data, checkpoints: ValueError and
-    FileNotFoundError) exits with status 2 and one line, a diverged run (FloatingPointError) or a rank that
+    """Run `main(config)` from the command line: bad input (flags, data, checkpoints: a ValueError or
+    FileNotFoundError the suite's own code raises) exits with status 2 and one line, a diverged run (FloatingPointError) or a rank that
     waited past the collective timeout (TimeoutError) with 1 and one line; anything else is a bug and keeps
     its traceback. SUITE_TRACEBACK=1 in the environment keeps the traceback of the one-line errors too. Before such an exit, `config.on_failure()` (where the config
     has one: core's flags) tells the launcher not to wait for the other ranks."""
@@ -94,7 +98,7 @@ def cli(main, *config_classes, prog: str, description: str = ""):
     try:
         return main(config)
     except (ValueError, FileNotFoundError) as error:
-        if os.environ.get("SUITE_TRACEBACK", "0") not in ("", "0"):
+        if os.environ.get("SUITE_TRACEBACK", "0") not in ("", "0") or not raised_by_the_suite(error):
             raise
         failing()
         error_exit(prog, str(error))
@@ -110,6 +114,24 @@ def cli(main, *config_classes, prog: str, description: str = ""):
     finally:  # the loop's stop handlers (StopRequests) end with main, also when it raised
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
+
+
+SUITE = Path(__file__).resolve().parent.parent  # the folder that holds core, common and the workloads
+PACKAGES = ("core", "common", "gan", "autoencoder", "metalearn", "benchmarks")
+LIBRARIES = tuple(str(Path(sysconfig.get_paths()[key]).resolve()) for key in ("stdlib", "purelib", "platlib"))
+
+
+def raised_by_the_suite(error: BaseException) -> bool:
+    """Whether `error` was raised by the suite's own code (a check of its input: one line for the user) or a
+    user's code around it, rather than by torch, another library or the standard library from inside a step (a
+    bug, whatever its class: it keeps its traceback)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return False
+    where = Path(frames[-1].filename).resolve()
+    if where.is_relative_to(SUITE) and where.relative_to(SUITE).parts[0] in PACKAGES:
+        return True
+    return not str(where).startswith(LIBRARIES)
 
 
 def error_exit(prog: str, message: str):
@@ -145,14 +167,34 @@ class RunConfig:
                               "tensorboard (tensorboard/ in it; needs the tensorboard extra), or none", choices=LOGGERS)
 
     def check(self):
-        for name in ("max_steps", "batch_size", "accumulate", "log_every"):  # log_every: also the loss check's
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("checkpoint_every", "num_workers", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in (f.name for f in dataclasses.fields(self)):  # every float flag: a workload's and core's too
+            if isinstance(getattr(self, name), float) and not math.isfinite(getattr(self, name)):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+        self.check_at_least(1, "max_steps", "batch_size", "accumulate", "log_every")  # log_every: the loss check's too
+        self.check_at_least(0, "checkpoint_every", "num_workers", "warmup_steps")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if self.num_workers > 4 * cores:  # torch warns above one per core; more than 4 per core cannot pay
+            raise ValueError(f"--num-workers {self.num_workers}: each worker is a process, and this process may use "
+                             f"{cores} cores; pass at most {4 * cores} (one per core is usual)")
         if self.warmup_steps and self.lr_schedule == "constant":
             raise ValueError("--warmup-steps is part of --lr-schedule cosine; pass --lr-schedule cosine too")
         check_logger(self.logger)
         if self.warmup_steps >= self.max_steps:
             raise ValueError(f"--warmup-steps ({self.warmup_steps}) must be less than --max-steps ({self.max_steps})")
+
+    def check_at_least(self, least, *names: str) -> None:
+        for name in names:
+            if getattr(self, name) < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(self, name)}")
+
+    @staticmethod
+    def check_fits(tensors: dict[str, int]) -> None:
+        """Refuse sizes that cannot fit in this machine's memory, before anything starts. `tensors` maps the flags
+        that size a tensor to the float32 elements it has at least, so that a refused run could never have run."""
+        if not hasattr(os, "sysconf"):
+            return
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        for flags, elements in tensors.items():
+            if 4 * elements > memory:
+                raise ValueError(f"{flags}: one tensor of at least {4 * elements / 2**30:.3g} GiB, more than this "
+                                 f"machine's {memory / 2**30:.0f} GiB of memory; pass smaller values")

@@ -9,7 +9,7 @@ import torch
 from core import checkpoint, launcher
 from core.precision import PRECISIONS
 from core.strategies import LIGHTNING_NAMES, STRATEGIES, SingleDevice, check_installed
-from core.validation import ACCELERATORS, device_kind, resolve_arguments
+from core.validation import ACCELERATORS, check_devices, device_kind, resolve_arguments
 
 # ddp_spawn runs a function in new processes (fabric.launch(fn)); the scripts run top to bottom after a
 # plain fabric.launch(), which re-runs the command for the other ranks, so the flag does not offer it, nor
@@ -47,13 +47,23 @@ class FabricFlags:
             check_installed(self.strategy, device_kind(self.accelerator))
         except ImportError as error:
             raise ValueError(str(error)) from None
+        try:  # here, not at Fabric(): before the note below, so that a refusal is one line
+            check_devices(self.devices, device_kind(self.accelerator), launcher.cluster_environment())
+        except ValueError as error:
+            raise ValueError(f"--devices {self.devices}: {error}") from None
+        if self.num_nodes < 1:
+            raise ValueError(f"--num-nodes must be >= 1, got {self.num_nodes}")
+        if self.num_nodes > 1 and launcher.cluster_environment() is None:  # launcher.start's rule, before it starts
+            raise ValueError(f"--num-nodes {self.num_nodes} needs a launcher on every machine: run torchrun --nnodes "
+                             f"{self.num_nodes} --nproc-per-node N --node-rank R --master-addr HOST -m ... on each "
+                             f"(or srun under SLURM)")
+        if self.collective_timeout <= 0:
+            raise ValueError(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout:g}")
         if self.precision in ("16-mixed", "16") and device_kind(self.accelerator) == "cpu" and \
                 self.strategy != "fsdp" and int(os.environ.get("RANK", "0")) == 0:  # fsdp refuses it with one line
             print("[core] --precision 16-mixed on the CPU: float16 autocast with a loss scaler, about 15x slower "
                   "than 32-true here (the CPU's kernels are float32 and bfloat16); --precision bf16-mixed is the "
                   "CPU's mixed precision.", file=sys.stderr, flush=True)
-        if self.collective_timeout <= 0:
-            raise ValueError(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout:g}")
 
     @staticmethod
     def recover_checkpoint(path) -> None:

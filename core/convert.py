@@ -4,7 +4,7 @@ values, read by `torch.load(path, weights_only=True)`, the plain scripts' `--res
 under any strategy.
 
     python -m core.convert runs/gan-20261201-0730 plain.ckpt     # a run directory, or its checkpoint
-    python -m gan.train_torch --resume plain.ckpt                 # continue it in plain PyTorch
+    python -m gan.train_torch --resume plain.ckpt --out runs/gan-plain   # continue it in plain PyTorch
 """
 import argparse
 import sys
@@ -34,11 +34,19 @@ def main(argv=None) -> None:
     parser.add_argument("target", help="the plain file to write")
     args = parser.parse_args(argv)
     try:
+        if not args.source or not args.target:  # Path("") is the current folder
+            raise ValueError(f"the {'target' if args.source else 'source'} is empty; pass a run directory or a "
+                             f"checkpoint, then the plain file to write")
         source = Path(args.source)
         if (source / "checkpoints" / "last.ckpt").exists():  # a run directory
             source = source / "checkpoints" / "last.ckpt"
+        elif source.name == "checkpoints" and (source / "last.ckpt").exists():  # as --resume takes RUN/checkpoints
+            source = source / "last.ckpt"
         if not source.exists():
             raise ValueError(f"no checkpoint at {source}")
+        if Path(args.target).is_dir():  # the file would replace the folder and all it holds
+            raise ValueError(f"the target {args.target} is a folder; name the plain file to write, e.g. "
+                             f"{Path(args.target) / 'plain.ckpt'}")
         if Path(args.target).resolve() == source.resolve():
             raise ValueError(f"the target {args.target} is the checkpoint itself; write the plain file elsewhere")
         written = convert(source, args.target)

@@ -63,10 +63,14 @@ class Config(RunConfig):
                              "raise --batch-size instead")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"--ema-decay must be in [0, 1) (0 turns the average off), got {self.ema_decay}")
+        if not 0 <= self.beta1 < 1:
+            raise ValueError(f"--beta1 must be in [0, 1), got {self.beta1}")
         parse_policy(self.augment)
-        for name in ("eval_every", "sample_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        self.check_at_least(1, "nz", "ngf", "ndf", "eval_samples")
+        self.check_at_least(0, "eval_every", "sample_every", "lr")
+        self.check_fits({"--ngf": self.ngf ** 2, "--ndf": self.ndf ** 2,  # a convolution's weight: width^2 at least
+                         "--nz and --ngf": self.nz * self.ngf, "--eval-samples and --nz": self.eval_samples * self.nz,
+                         "--batch-size and --image-size": self.batch_size * self.image_size ** 2})
         if self.r1_gamma < 0 or self.r1_every < 1:
             raise ValueError(f"--r1-gamma must be >= 0 and --r1-every >= 1, got {self.r1_gamma} and {self.r1_every}")
         strategy = getattr(self, "strategy", "")  # core's flags, merged in the wrapped script

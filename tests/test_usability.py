@@ -286,3 +286,27 @@ def test_a_download_runs_inside_the_lock(tmp_path, monkeypatch):
     with pytest.raises((ValueError, FileNotFoundError), match="stop here"):
         load_images("mnist", str(tmp_path), download=True)
     assert held == [True, "held"]
+
+
+def test_a_value_error_from_inside_torch_is_a_crash_not_a_usage_error(tmp_path, monkeypatch, capsys):
+    """The one-line exit 2 is for the suite's own checks; a ValueError torch raises in a step is a bug and
+    keeps its traceback, whatever its class."""
+    import torch.nn.functional as F
+
+    from common.config import RunConfig, cli
+
+    def step_with_a_bug(config):
+        return F.binary_cross_entropy(torch.zeros(2), torch.zeros(3))  # torch: "Using a target size ..."
+
+    def bad_input(config):
+        from common.resume import resume_path
+        resume_path(str(tmp_path / "missing"))  # the suite's own check
+
+    monkeypatch.setattr(sys, "argv", ["prog"])
+    with pytest.raises(ValueError, match="target size"):
+        cli(step_with_a_bug, RunConfig, prog="python -m x.train")
+    with pytest.raises(SystemExit) as exited:
+        cli(bad_input, RunConfig, prog="python -m x.train")
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"python -m x.train: error: --resume {tmp_path / 'missing'}: no checkpoint at " \
+                                      f"{tmp_path / 'missing'}\n"
