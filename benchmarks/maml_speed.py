@@ -3,7 +3,7 @@ the vectorised torch.func learner (eager, and compiled by torch.compile as `--co
 compilation falls in the warm-up repeat), a per-task `autograd.grad(create_graph=True)` loop (the reference: what
 plain PyTorch without torch.func does) and, when installed, a per-task loop written with `higher`. Two
 setups: the paper's (K=10 support, 10 query points per task) and the default `python -m metalearn.train`
-(metalearn/config.py: 100 query points). Before timing, in float64, the loop's meta-gradient is checked
+(metalearn/config.py's values, now also 10 query points). Before timing, in float64, the loop's meta-gradient is checked
 against central finite differences, and each other method's against the loop's (allclose 1e-6).
 Timing: float32, one thread; each repeat runs the methods in an order drawn at random (seeded, recorded)."""
 import random
