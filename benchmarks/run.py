@@ -307,8 +307,8 @@ def run_quality(workloads=None) -> str:
     for name, setup, extra in _quality_runs():
         seed_commands = [["-m", f"{name}.train", *extra, "--seed", str(seed)] for seed in SEEDS]  # what a user runs
         commands += seed_commands
-        if workloads is not None and name not in workloads and (name, setup) in previous:
-            records.append(previous[name, setup])
+        if workloads is not None and name not in workloads:  # its rows as last run (a setup new since: next time)
+            records += [r for key, r in previous.items() if key[0] == name and r not in records]
             continue
         summaries = []
         for seed, command in zip(SEEDS, seed_commands):
