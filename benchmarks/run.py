@@ -284,11 +284,15 @@ DEFAULT_THREADS = "torch's default threads (one per core)"  # what each quality 
 
 
 def _quality_runs() -> list[tuple[str, str, list[str]]]:
-    """(workload, setup, extra flags): each workload's default command, and MAML's paper setup beside it."""
+    """(workload, setup, extra flags): each workload's default command, and every other command a README quotes a
+    quality figure for."""
     runs = [(w.name, "default", []) for w in WORKLOADS.values() if w.quality]
     # the default is the paper's setup with the outer rate on a cosine from 5e-3; beside it, the paper's own rate
     paper = ["--lr", "1e-3", "--lr-schedule", "constant"]
+    digits = ["--dataset", "digits", "--inner-lr", "0.4", "--max-steps", "2000"]  # metalearn/README.md's command
     return runs + [("metalearn", "paper's outer rate (1e-3, constant)", paper),
+                   ("metalearn", "digits 5-way 1-shot", digits + ["--shots", "1"]),
+                   ("metalearn", "digits 5-way 5-shot", digits + ["--shots", "5"]),
                    ("gan", "R1 gamma 1, every 16 steps", ["--r1-gamma", "1"])]  # made the default only if it helps
 
 
@@ -312,7 +316,7 @@ def run_quality(workloads=None) -> str:
             continue
         summaries = []
         for seed, command in zip(SEEDS, seed_commands):
-            slug = "default" if not extra else "-".join(flag.strip("-") for flag in extra[:2])  # e.g. r1-gamma-1
+            slug = re.sub(r"[^a-z0-9]+", "-", setup.lower()).strip("-")  # e.g. digits-5-way-1-shot
             out = RESULTS / "runs" / f"{name}-{slug}-seed{seed}"
             shutil.rmtree(out, ignore_errors=True)  # the benchmark's own scratch run of an earlier invocation
             subprocess.run([sys.executable, *command, "--out", str(out)], cwd=ROOT, check=True,
@@ -334,28 +338,33 @@ def _over_seeds(values: list) -> tuple:
     return statistics.mean(values), f"{min(values):.4g}-{max(values):.4g} (sd {statistics.stdev(values):.2g})"
 
 
+# metrics a quality row shows without a target: what each is read against
+UNTARGETED = {"raw_fid_classifier": "the same runs' generator without the average",
+              "test_accuracy_steps": "guessing: 0.20 (5 ways)"}
+STEP_METRICS = {"test_mse_steps": "MSE", "test_accuracy_steps": "accuracy"}  # metalearn: a figure per inner step
+
+
 def quality_markdown(records: list[dict]) -> str:
     """The quality table of the runs' summaries (one record per workload and setup, one summary per seed)."""
     rows = []
     for record in records:
         name, summaries = record["workload"], record["summaries"]
-        metrics = [(q.metric, q) for q in WORKLOADS[name].quality]
-        if name == "gan" and "raw_fid_classifier" in summaries[0]:
-            metrics.insert(1, ("raw_fid_classifier", None))
+        metrics = [(q.metric, q) for q in WORKLOADS[name].quality if q.metric in summaries[0]]
+        metrics += [(key, None) for key in UNTARGETED if key in summaries[0]]
         for key, quality in metrics:
-            mean, spread_text = _over_seeds([s[key]["1"] if key == "test_mse_steps" else s[key] for s in summaries])
+            mean, spread_text = _over_seeds([s[key]["1"] if key in STEP_METRICS else s[key] for s in summaries])
             ok = ""
             if quality:
                 op, bound = quality.target.split()
                 ok = _mark(mean is not None and (mean <= float(bound) if op == "<=" else mean >= float(bound)))
-            rows.append([name, record["setup"], "MSE after 1 step" if key == "test_mse_steps" else key,
+            rows.append([name, record["setup"], f"{STEP_METRICS[key]} after 1 step" if key in STEP_METRICS else key,
                          "" if mean is None else f"{mean:.4g}", spread_text, quality.target if quality else "", ok,
                          f"{statistics.mean(s['train_seconds'] for s in summaries):.1f}",
-                         quality.reference if quality else "the same runs' generator without the average"])
+                         quality.reference if quality else UNTARGETED[key]])
     steps = "; ".join(
-        f"{r['setup']}: " + ", ".join("diverged" if m is None else f"{m:.3f}" for m, _ in (
-            _over_seeds([s["test_mse_steps"][k] for s in r["summaries"]]) for k in r["summaries"][0]["test_mse_steps"]))
-        for r in records if r["workload"] == "metalearn")
+        f"{r['setup']}: {STEP_METRICS[key]} " + ", ".join("diverged" if m is None else f"{m:.3f}" for m, _ in (
+            _over_seeds([s[key][k] for s in r["summaries"]]) for k in r["summaries"][0][key]))
+        for r in records for key in STEP_METRICS if key in r["summaries"][0])
     commits = {}
     for r in records:
         commits.setdefault(r.get("commit"), []).append(r["workload"])
@@ -366,7 +375,7 @@ def quality_markdown(records: list[dict]) -> str:
             f"--seed S`, the flags of the setup added):\n\n" +
             table(["workload", "setup", "metric", "mean", "over seeds", "target", "met", "train s (mean)",
                    "reference"], rows) +
-            f"\nMAML MSE after 0/1/5/10 steps (means): {steps}.\n\n" + QUALITY_NOTES)
+            f"\nMAML after 0/1/5/10 inner steps (means over the seeds): {steps}.\n\n" + QUALITY_NOTES)
 
 
 QUALITY_NOTES = (
