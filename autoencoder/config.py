@@ -8,7 +8,7 @@ from common.config import RunConfig, flag
 @dataclass
 class Config(RunConfig):
     dataset: str = flag("digits", "dataset (digits is embedded; fake is for smoke tests)", choices=DATASETS)
-    max_steps: int = flag(1200, "optimizer steps")
+    max_steps: int = flag(2400, "optimizer steps")
     image_size: int = flag(32, "side of the square images in pixels")
     latent: int = flag(32, "size of the code between encoder and decoder (2 also plots the codes)")
     width: int = flag(32, "channels of the first convolution")

@@ -330,8 +330,24 @@ def test_quality_reruns_only_the_named_workloads_and_says_which_rows_are_older(r
     markdown = (results / "quality.md").read_text()
     assert "| gan | default | fid_classifier | 0.51 | 0.5-0.52 (sd 0.01) | <= 0.9 | yes |" in markdown
     assert "gan at new1234; autoencoder, metalearn at old5678." in markdown
-    assert "torch's default threads (one per core); metalearn paper (10 query points), lr 5e-3 cosine: 1 thread per" \
+    by_hand = next(r for r in committed["rows"] if r["setup"] != "default")  # named in the header with its threads
+    assert f"torch's default threads (one per core); {by_hand['workload']} {by_hand['setup']}: 1 thread" \
         in markdown.splitlines()[0]
+
+
+def test_quality_rows_read_each_metalearn_setup_by_its_own_metric():
+    """A sinusoid setup is scored by its MSE against the target, a digits setup by its accuracy, with no target."""
+    def summaries(key, values):
+        return [{key: {"0": v / 2, "1": v, "5": v * 2, "10": v * 3}, "train_seconds": 30.0} for v in values]
+    markdown = bench.quality_markdown([
+        {"workload": "metalearn", "setup": "default", "summaries": summaries("test_mse_steps", [0.36, 0.37, 0.38])},
+        {"workload": "metalearn", "setup": "digits 5-way 1-shot",
+         "summaries": summaries("test_accuracy_steps", [0.2, 0.3, 0.25])}])
+    assert "| metalearn | default | MSE after 1 step | 0.37 | 0.36-0.38 (sd 0.01) | <= 0.38 | yes |" in markdown
+    assert "| metalearn | digits 5-way 1-shot | accuracy after 1 step | 0.25 | 0.2-0.3 (sd 0.05) |  |  | 30.0 | " \
+           "guessing: 0.20 (5 ways) |" in markdown
+    assert "default: MSE 0.185, 0.370, 0.740, 1.110; digits 5-way 1-shot: accuracy 0.125, 0.250, 0.500, 0.750" \
+        in markdown
 
 
 @pytest.mark.parametrize("argv, message", [
