@@ -5,9 +5,8 @@ PyTorch that does the same:
   optimizer step and backward;
 - bf16-mixed (core: autocast inside the wrapper's forward, the output cast back to float32; plain: the
   same autocast written around the forward, the same cast);
-- 16-mixed (core: one GradScaler, stepped by the wrapped optimizer; plain: a GradScaler
-  written out), and core again with its check for a plain `loss.backward()` switched off, to show that
-  check's cost;
+- 16-mixed (core: one GradScaler, stepped by the wrapped optimizer, which checks that fabric.backward ran since
+  its last step; plain: a GradScaler written out);
 - ddp on 2 gloo processes (core: the DDP wrapper called through the set-up module and its submodule
   guard; plain: DistributedDataParallel called directly);
 - the GAN's two models and two optimizers in 16-mixed and DeepSpeed ZeRO-2, where fabric.backward searches
@@ -159,17 +158,7 @@ def _mixed_variants(precision: str, x, y) -> dict:
     fabric = Fabric(accelerator="cpu", precision=precision)
     wrapped = _model()
     wrapped, wrapped_optimizer = fabric.setup(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.01))
-    sides = {"plain": plain, "core": lambda: _step(wrapped, wrapped_optimizer, fabric.backward, x, y)}
-    state = wrapped._backward_state
-    if state is not None and state.required:  # 16-mixed: core's check that no plain loss.backward() skips the
-        def unchecked():  # scaler (a hook on each output, core/wrappers.py), off: what that check costs
-            state.required = False
-            try:
-                _step(wrapped, wrapped_optimizer, fabric.backward, x, y)
-            finally:
-                state.required = True
-        sides["core, no backward check"] = unchecked
-    return sides
+    return {"plain": plain, "core": lambda: _step(wrapped, wrapped_optimizer, fabric.backward, x, y)}
 
 
 def ddp_row(rounds: int, steps: int, slowdown, calibrate: bool, seed: int) -> dict:

@@ -63,10 +63,8 @@ def run_overhead(quick: bool) -> str:
     imports = result["import"]
     markdown = ("Host overhead per step on each path where core does work, against plain PyTorch doing the same "
                 "work, 1 thread per process: a 2-layer MLP (batch 8, SGD) in 32-true, bf16-mixed (autocast and "
-                "the output cast back to float32, written out in plain), 16-mixed (a GradScaler written out; "
-                "`core, no backward check`: the same with the hook "
-                "switched off that makes a plain `loss.backward()` fail instead of skipping the scaler, so that "
-                "row shows the check's cost) and ddp on 2 gloo processes (plain DistributedDataParallel called "
+                "the output cast back to float32, written out in plain), 16-mixed (a GradScaler written out) "
+                "and ddp on 2 gloo processes (plain DistributedDataParallel called "
                 "directly; core's set-up module and submodule guard around it); and the GAN's two models "
                 "and two optimizers at their default sizes (`benchmarks/two_models.py`) in 16-mixed (one "
                 "GradScaler for both) and DeepSpeed ZeRO-2 on one process (two engines, where `fabric.backward` "

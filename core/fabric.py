@@ -69,10 +69,9 @@ class Fabric(Conveniences):
         self._module_of = {}  # id(wrapped optimizer) -> its FabricModule, for checkpoints and loss scaling
         self._optimizers_of = {}  # id(FabricModule) -> its wrapped optimizers
         self._modules = []  # FabricModules, in setup order
-        # backward is loss.backward() when neither a loss scaler nor an engine is involved; where one is, the
-        # set-up modules' outputs refuse a plain loss.backward()
-        self._plain_backward = not self._strategy.backward_needs_module
-        self._backward = BackwardState(required=not self._plain_backward)
+        # backward is loss.backward() when neither a loss scaler nor an engine is involved; where one is, a set-up
+        # optimizer refuses to step on gradients that no fabric.backward made
+        self._backward = BackwardState(required=self._strategy.backward_needs_module)
         if launcher.started_by_cli():  # `fabric run` started every process: connect them now, as Lightning does
             if self._strategy.distributed:
                 self._start_distributed(launcher.start(devices, num_nodes))
@@ -237,7 +236,7 @@ class Fabric(Conveniences):
                 raise ValueError(f"strategy={self._strategy_name!r} runs the module inside its engine, which "
                                  f"torch.compile cannot wrap from outside; set up the uncompiled module.")
             forward_module = compiled if forward_module is module else compile_like(forward_module, compiled)
-        wrapped = FabricModule(forward_module, module, self._precision, guard=guard, backward_state=self._backward)
+        wrapped = FabricModule(forward_module, module, self._precision, guard=guard)
         shares = self._strategy.parameter_shares()
         if shares is not None:  # in the instance dict: not a submodule, not forwarded to the original module
             wrapped.__dict__["parameter_shares"] = shares
@@ -249,15 +248,19 @@ class Fabric(Conveniences):
         self._set_up_optimizers.add(optimizer)
         self._precision.add_optimizer(optimizer)
         strategy, precision = self._strategy, self._precision
-        self._plain_backward = self._plain_backward and not precision.steps_through_scaler(optimizer)
-        self._backward.required = not self._plain_backward
+        backward = self._backward
+        backward.required = backward.required or precision.steps_through_scaler(optimizer)
         callbacks = self._callbacks  # may grow: a LightningModule set up later becomes one
         may_have_hooks = bool(callbacks) or hasattr(module.module, "_fabric")
         plain_step = type(strategy).optimizer_step is SingleDevice.optimizer_step
         if plain_step and not precision.steps_through_scaler(optimizer) and not may_have_hooks:
             step = optimizer.step  # nothing to add on the way
         else:
+            check = backward.step_check()
+
             def step(closure=None):
+                if closure is None:  # a closure runs its own fabric.backward inside the step
+                    check()
                 output = strategy.optimizer_step(optimizer, module, **({"closure": closure} if closure else {}))
                 for callback in callbacks:  # Lightning's callback hook, with its arguments
                     hook = getattr(callback, "on_after_optimizer_step", None)
@@ -274,13 +277,10 @@ class Fabric(Conveniences):
         """`tensor.backward(*args, **kwargs)` through the strategy and precision (create_graph,
         retain_graph pass through). `model` says which set-up model this loss is for, where the
         strategy needs to know (DeepSpeed's engines) and the graph alone does not say."""
-        if self._plain_backward:
+        if not self._backward.required:
             return tensor.backward(*args, **kwargs)
-        self._backward.active = True
-        try:
-            self._backward_through_strategy(tensor, args, kwargs, model)
-        finally:
-            self._backward.active = False
+        self._backward.count += 1
+        self._backward_through_strategy(tensor, args, kwargs, model)
 
     def _backward_through_strategy(self, tensor, args, kwargs, model) -> None:
         module = model
@@ -301,11 +301,7 @@ class Fabric(Conveniences):
         optimizers = [wrapped.optimizer for wrapped in self._optimizers_of.get(id(module), [])]
         if create_graph:  # a backward through the gradient follows
             self._strategy.keep_for_second_backward(module, optimizers)
-        self._backward.active = True  # the outputs' guard would take this for a bare loss.backward()
-        try:
-            return self._precision.input_gradients(outputs, inputs, grad_outputs, create_graph)
-        finally:
-            self._backward.active = False
+        return self._precision.input_gradients(outputs, inputs, grad_outputs, create_graph)
 
     def clip_gradients(self, module: FabricModule, optimizer: FabricOptimizer, clip_val=None, max_norm=None,
                        norm_type: float = 2.0, error_if_nonfinite: bool = True):

@@ -16,18 +16,26 @@ STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 class BackwardState:
-    """Shared by a Fabric and its set-up modules: whether a plain `loss.backward()` would skip work that
-    `fabric.backward` does (an engine's backward, a loss scaler), and whether fabric.backward is running."""
+    """Shared by a Fabric and the optimizers it sets up: whether a plain `loss.backward()` would skip work that
+    `fabric.backward` does (an engine's backward, a loss scaler), and how many times fabric.backward has run.
+    Where it is required, each set-up optimizer's step checks that fabric.backward ran since its last step (a
+    count compared per step: no hook on any output)."""
 
     def __init__(self, required: bool = False):
-        self.required, self.active = required, False
+        self.required, self.count = required, 0
 
-    def check(self, grad):
-        if not self.active:
-            raise RuntimeError("loss.backward() was called where this strategy or precision needs "
-                               "fabric.backward(loss) (DeepSpeed's engine runs the backward, 16-mixed scales the "
-                               "loss). Replace loss.backward() with fabric.backward(loss).")
-        return grad
+    def step_check(self):
+        """The check for one optimizer: call it before the optimizer steps."""
+        last = [self.count]
+
+        def check():
+            if self.required and self.count == last[0]:
+                raise RuntimeError("optimizer.step() found no fabric.backward(loss) since its last step: "
+                                   "loss.backward() was called where this strategy or precision needs "
+                                   "fabric.backward(loss) (DeepSpeed's engine runs the backward, 16-mixed scales the "
+                                   "loss). Replace loss.backward() with fabric.backward(loss).")
+            last[0] = self.count
+        return check
 
 
 class FabricModule(nn.Module):
@@ -35,23 +43,24 @@ class FabricModule(nn.Module):
     precision context; `.module` is the original. To its user it is the original module: hooks
     registered on it fire, and `state_dict`, `named_parameters`, `.device` and `.dtype` are the original's."""
 
-    def __init__(self, forward_module: nn.Module, original_module: nn.Module, precision, guard: bool,
-                 backward_state: BackwardState | None = None):
+    def __init__(self, forward_module: nn.Module, original_module: nn.Module, precision, guard: bool):
         super().__init__()
         self._forward_module = forward_module
         self._original_module = original_module
         d = self.__dict__  # plain attributes, kept out of nn.Module's bookkeeping for speed
         d["_precision"] = precision
+        d["_converts"] = not precision.passthrough  # decided once: a 32-true forward converts nothing
+        d["_target"], d["_original"] = forward_module, original_module  # read per call without nn.Module's lookup
         d["_frozen"] = False
-        d["_running"] = 0  # > 0 while this wrapper's own forward runs (the guards let children be called)
-        d["_backward_state"] = backward_state
+        d["_running"] = 0  # > 0 while this wrapper's own forward runs
         if precision.passthrough and forward_module is original_module and not guard:
             # 32-true on one device: nothing to add, so nn.Module.__call__ (hooks included) calls the module
             d["forward"] = forward_module
+        d["_guards"] = []
         if guard:  # the module itself too: a method that is not marked may call `self(x)`
-            _SubmoduleGuard(self, None, original_module)
+            d["_guards"].append(_SubmoduleGuard(self, None, original_module))
             for name, child in original_module.named_children():
-                _SubmoduleGuard(self, name, child)
+                d["_guards"].append(_SubmoduleGuard(self, name, child))
         for name in STEP_METHODS:  # a LightningModule-style step runs the model: route it like forward
             if callable(getattr(type(original_module), name, None)):
                 self.mark_forward_method(name)
@@ -70,21 +79,26 @@ class FabricModule(nn.Module):
             setattr(original, name, value)
 
     def forward(self, *args, **kwargs):
-        precision = self._precision
-        args, kwargs = precision.convert_input((args, kwargs))
-        target = self._original_module if self._frozen else self._forward_module
         d = self.__dict__
+        target = d["_original"] if d["_frozen"] else d["_target"]
+        guards = d["_guards"]
+        if guards and not d["_running"]:  # inside, the children run on nn.Module's fast path, hook-free
+            for guard in guards:
+                guard.lift()
         d["_running"] += 1
         try:
+            if not d["_converts"]:
+                return target(*args, **kwargs)
+            precision = d["_precision"]
+            args, kwargs = precision.convert_input((args, kwargs))
             with precision.forward_context():
                 output = target(*args, **kwargs)
+            return precision.convert_output(output)
         finally:
             d["_running"] -= 1
-        state = self._backward_state
-        if state is not None and state.required and torch.is_grad_enabled():
-            map_nested(output, lambda t: t.register_hook(state.check)
-                       if isinstance(t, torch.Tensor) and t.requires_grad else None)
-        return precision.convert_output(output)
+            if guards and not d["_running"]:
+                for guard in guards:
+                    guard.restore()
 
     @property
     def module(self) -> nn.Module:
@@ -173,15 +187,24 @@ class _SubmoduleGuard:
     def __init__(self, wrapper: FabricModule, name: str, child: nn.Module):
         self.wrapper, self.name = weakref.ref(wrapper), name  # the child must not keep the wrapper alive
         self.handle = child.register_forward_pre_hook(self)
+        self.hooks = child._forward_pre_hooks
+
+    def lift(self) -> None:
+        """Out of the child's hooks while the wrapper's forward runs (a hook, even one that returns at once,
+        takes nn.Module's slow call path)."""
+        self.hooks.pop(self.handle.id, None)
+
+    def restore(self) -> None:
+        self.hooks[self.handle.id] = self
 
     def __call__(self, module, args):
         wrapper = self.wrapper()
         if wrapper is None:  # the set-up module is gone; the original is a plain module again
             self.handle.remove()
             return
-        # allowed: inside the wrapper's forward, without gradients, and in backward (activation
-        # checkpointing runs the child's forward again there)
-        if wrapper.__dict__["_running"] or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        # allowed: without gradients, and in backward (activation checkpointing runs the child's forward again
+        # there); inside the wrapper's forward the guard is lifted
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return
         kind = type(wrapper._original_module).__name__
         what, call = (f"The set-up {kind}", "model.module(x)") if self.name is None else \

@@ -129,15 +129,41 @@ class Steps(nn.Module):
         return F.mse_loss(self.decoder(self.encoder(x)), x)
 
 
-def test_backward_outside_fabric_is_refused_where_fabric_backward_is_needed():
+def test_a_step_after_a_plain_backward_is_refused_where_fabric_backward_is_needed():
+    """Under 16-mixed the scaler would unscale gradients no one scaled: the set-up optimizer refuses to step on
+    them, and steps after fabric.backward, also where one backward feeds two optimizers (a loss through two
+    set-up models) or where each has its own (a GAN)."""
     fabric = Fabric(accelerator="cpu", precision="16-mixed")
     model = Steps()
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(3, 4)).float().sum().backward()
     with pytest.raises(RuntimeError, match=r"loss.backward\(\) was called where .* needs fabric.backward\(loss\)"):
-        model(torch.randn(3, 4)).float().sum().backward()
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing stepped
+    optimizer.zero_grad()
     fabric.backward(model(torch.randn(3, 4)).float().sum())  # the same through fabric: fine
-    plain = Fabric(accelerator="cpu").setup(Steps())
-    plain(torch.randn(3, 4)).sum().backward()  # 32-true: loss.backward() is what fabric.backward does
+    optimizer.step()
+
+    encoder, decoder = nn.Linear(4, 2), nn.Linear(2, 4)
+    encoder, optimizer_e = fabric.setup(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1))
+    decoder, optimizer_d = fabric.setup(decoder, torch.optim.SGD(decoder.parameters(), lr=0.1))
+    for _ in range(2):
+        fabric.backward(decoder(encoder(torch.randn(3, 4))).float().sum())  # one backward, two optimizers
+        optimizer_e.step()
+        optimizer_d.step()
+        fabric.backward(encoder(torch.randn(3, 4)).float().sum())  # a backward and a step per model
+        optimizer_e.step()
+        fabric.backward(decoder(torch.randn(3, 2)).float().sum())
+        optimizer_d.step()
+    decoder(torch.randn(3, 2)).float().sum().backward()
+    with pytest.raises(RuntimeError, match="no fabric.backward"):
+        optimizer_d.step()
+
+    plain, model = Fabric(accelerator="cpu"), Steps()
+    model, optimizer = plain.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randn(3, 4)).sum().backward()  # 32-true: loss.backward() is what fabric.backward does
+    optimizer.step()
 
 
 def test_init_module_creates_on_the_device_in_the_dtype_and_can_skip_init():

@@ -35,8 +35,9 @@ ONE_SIDED = {  # (what core replaces, a line only that variant writes for it)
         ("the docstring's commands", r'^"""|^(python|torchrun) '),
         ("imports", r"^import os$|^from contextlib import nullcontext$|^import torch\.distributed as dist$|"
                     r"^from torch\.nn\.parallel import DistributedDataParallel$|^from common\.plain_checkpoint import"),
-        ("rank, device and process group", r'^(rank, world_size|local_rank) = int\(os\.environ|^device = torch\.device\(|'
-                                           r'^if device\.type == "cuda":$|^torch\.cuda\.set_device\(device\)$|'
+        ("rank, device and process group", r'^(rank, world_size|local_rank) = int\(os\.environ|'
+                                           r'^device = torch\.device\(|^if device\.type == "cuda":$|'
+                                           r"^torch\.cuda\.set_device\(device\)$|"
                                            r"^dist\.(init|destroy)_process_group\("),
         ("tearing the process group down on every way out", r"^try:$|^finally:$|"
                                                             r"^return train\(config, rank, world_size, device\)$|"
