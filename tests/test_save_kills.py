@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from core.checkpoint import read
-from tests.conftest import ROOT
+from tests.conftest import HANG, ROOT
 
 FAULTS = '''
 import os, shutil, signal
@@ -68,7 +68,7 @@ def train(hook, out, strategy, *extra, **env):
                           env=environment, capture_output=True, text=True, timeout=600)
 
 
-def wait_for_exit(out, timeout=120):
+def wait_for_exit(out, timeout=HANG):
     deadline = time.monotonic() + timeout
     while subprocess.run(["pgrep", "-f", str(out)], capture_output=True).returncode == 0:
         assert time.monotonic() < deadline, f"a process of the killed run in {out} is still running"

@@ -21,7 +21,7 @@ from common.config import RunConfig
 from common.rundir import RunDir
 from common.steps import lr_scheduler
 from common.stopping import StopRequests
-from tests.conftest import ROOT, TORCHRUN, run
+from tests.conftest import HANG, ROOT, TORCHRUN, run
 from tests.test_usability import one_line_error
 
 CPU = ["--accelerator", "cpu"]
@@ -168,7 +168,7 @@ def test_a_cosine_run_stopped_mid_schedule_resumes_exactly_and_refuses_a_new_len
     while not metrics.exists() and stopped.poll() is None:
         time.sleep(0.02)
     stopped.send_signal(signal.SIGTERM)  # saves after the next step, mid-schedule
-    assert stopped.wait(timeout=60) == 0 and "Stopped by SIGTERM" in stopped.communicate()[0]
+    assert stopped.wait(timeout=HANG) == 0 and "Stopped by SIGTERM" in stopped.communicate()[0]
     saved = torch.load(tmp_path / "parts" / "checkpoints" / "last.ckpt", weights_only=True)
     at = saved.get("state", saved)["scheduler"]["last_epoch"]
     assert 5 <= at < 150 and not (tmp_path / "parts" / "summary.json").exists()

@@ -27,7 +27,7 @@ from gan import train_torch
 from gan.config import Config
 from metalearn.config import Config as MetaConfig
 from metalearn.data import make_tasks
-from tests.conftest import ROOT, run
+from tests.conftest import HANG, ROOT, run
 from tests.test_readme_blocks import PAGES
 
 THREADS_PROBE = textwrap.dedent("""
@@ -259,7 +259,7 @@ def test_processes_downloading_into_one_root_take_turns(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     processes = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "data"), name], env=env)
                  for name in ("a", "b")]
-    assert [p.wait(timeout=60) for p in processes] == [0, 0]
+    assert [p.wait(timeout=HANG) for p in processes] == [0, 0]
     spans = sorted((float((tmp_path / "data" / f"{n}.start").read_text()),
                     float((tmp_path / "data" / f"{n}.end").read_text())) for n in ("a", "b"))
     assert spans[0][1] <= spans[1][0]  # the second started after the first had finished
