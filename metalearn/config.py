@@ -1,5 +1,6 @@
 """MAML's configuration, shared by both variants; defaults are the paper's sinusoid setup, with the outer
 learning rate on a cosine schedule from 5e-3 (metalearn/README.md says why)."""
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,13 +30,18 @@ class Config(RunConfig):
                             choices=("constant", "cosine"))
     eval_tasks: int = flag(600, "held-out tasks for the final evaluation")
     eval_queries: int = flag(100, "query points per held-out task (sinusoid) or per class (classification)")
+    threads: int = flag(1, "intra-op threads per process (0: torch's default, or core's share with --devices); "
+                           "MAML's 40-unit layers run fastest on one, and the figures then do not depend on the cores")
 
     def check(self):
         super().check()
         if self.inner_steps < 0 or self.shots < 1 or self.queries < 1:
             raise ValueError("--inner-steps must be >= 0, --shots and --queries >= 1")
         self.check_at_least(1, "ways", "hidden", "eval_tasks", "eval_queries")
-        self.check_at_least(0, "inner_lr", "lr")
+        self.check_at_least(0, "inner_lr", "lr", "threads")
+        if self.threads > 4 * (os.cpu_count() or 1):
+            raise ValueError(f"--threads {self.threads}: this machine has {os.cpu_count()} cores; pass at most "
+                             f"{4 * (os.cpu_count() or 1)} (0: torch's default)")
         self.check_fits({"--hidden": self.hidden ** 2,  # a hidden layer's weight, a meta-batch, the held-out tasks
                          "--batch-size, --accumulate, --shots and --queries":
                              self.batch_size * self.accumulate * (self.shots + self.queries),

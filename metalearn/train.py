@@ -27,6 +27,7 @@ def main(config: Config) -> dict:
     fabric = Fabric(**config.fabric_options())
     fabric.launch()
     rank, world_size, device = fabric.global_rank, fabric.world_size, fabric.device
+    torch.set_num_threads(config.threads or torch.get_num_threads())
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     run = RunDir(config.out, "metalearn", write=rank == 0, collectives=fabric, resume=config.resume)
 

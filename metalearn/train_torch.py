@@ -43,6 +43,7 @@ def main(config: Config) -> dict:
 
 
 def train(config: Config, rank: int, world_size: int, device: torch.device) -> dict:
+    torch.set_num_threads(config.threads or torch.get_num_threads())
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     run = RunDir(config.out, "metalearn", write=rank == 0, resume=config.resume)
 
