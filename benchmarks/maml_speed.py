@@ -5,7 +5,9 @@ plain PyTorch without torch.func does) and, when installed, a per-task loop writ
 setups: the paper's (K=10 support, 10 query points per task) and the default `python -m metalearn.train`
 (metalearn/config.py's values, now also 10 query points). Before timing, in float64, the loop's meta-gradient is checked
 against central finite differences, and each other method's against the loop's (allclose 1e-6).
-Timing: float32, one thread; each repeat runs the methods in an order drawn at random (seeded, recorded)."""
+Timing: float32, one thread; each repeat runs the methods in an order drawn at random (seeded, recorded). Against
+the machine: the vmap path's matmul FLOPs per meta-iteration (torch's FlopCounterMode) times its it/s, as a
+fraction of the FLOP/s this thread reaches on a bmm of the model's own shapes."""
 import random
 import statistics
 import time
@@ -121,11 +123,45 @@ def measure_setup(tasks: int, shots: int, queries: int, iterations: int, repeats
             if repeat:
                 samples[name].append(count / (time.perf_counter() - start))
     median = {name: statistics.median(values) for name, values in samples.items()}
+    flops = meta_iteration_flops(learner, batches[0])
+    peak = bmm_peak(tasks, shots + queries, 40)
+    achieved = flops * median["vmap (torch.func)"]
     rows = [{"method": name, "iterations_per_s": spread(values), "speed_vs_loop": median[name] / median[LOOP],
              "speedup_of_vmap": median["vmap (torch.func)"] / median[name],
              "gradient_reference": "central finite differences" if name == LOOP else LOOP,
              "meta_gradient_matches": agree[name]} for name, values in samples.items()]
-    return {"tasks": tasks, "shots": shots, "queries": queries, "orders": orders, "rows": rows}
+    return {"tasks": tasks, "shots": shots, "queries": queries, "orders": orders, "rows": rows,
+            "matmul_flops_per_iteration": flops, "vmap_flops_per_s": achieved, "bmm_peak_flops_per_s": peak,
+            "fraction_of_peak": achieved / peak}
+
+
+def meta_iteration_flops(learner, batch) -> float:
+    """The matrix-multiply FLOPs of one vectorised meta-iteration (forward, inner gradient, outer backward), as
+    torch's FlopCounterMode counts them (matmuls only: elementwise work is left out, as the peak leaves it)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    counter = FlopCounterMode(display=False)
+    with counter:
+        _vmap(learner, batch)
+    return float(counter.get_total_flops())
+
+
+def bmm_peak(tasks: int, points: int, width: int, seconds: float = 1.0) -> float:
+    """This machine's FLOP/s on the MAML model's own batched matmul, float32, on the calling thread count: a
+    (tasks, points, width) @ (tasks, width, width) bmm in a loop, the best of 5 timed runs."""
+    a, b = torch.randn(tasks, points, width), torch.randn(tasks, width, width)
+    out = torch.empty(tasks, points, width)
+    flops = 2.0 * tasks * points * width * width
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds / 5:  # warm up, and size a run to about seconds / 5
+        torch.bmm(a, b, out=out)
+        count += 1
+    best = 0.0
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(count):
+            torch.bmm(a, b, out=out)
+        best = max(best, count * flops / (time.perf_counter() - start))
+    return best
 
 
 def setups() -> dict:

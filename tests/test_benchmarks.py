@@ -102,6 +102,7 @@ def test_maml_speed_checks_meta_gradients_first_at_both_setups():
         assert rows["per-task autograd loop"]["gradient_reference"] == "central finite differences"
         assert rows["vmap (torch.func)"]["gradient_reference"] == "per-task autograd loop"
         assert sorted(setup["orders"][0]) == sorted(rows)
+        assert setup["matmul_flops_per_iteration"] > 0 and 0 < setup["fraction_of_peak"] < 10
 
 
 def test_the_finite_difference_check_catches_a_wrong_meta_gradient(monkeypatch):
@@ -234,6 +235,8 @@ def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, 
         "import": {"core_s": timing, "torch_s": timing, "ratio": 1.0},
         "stop_check": {"one_process_us": timing, "two_processes_us": timing}})
     setup = {"tasks": 25, "shots": 10, "queries": 10, "orders": [["vmap (torch.func)", "per-task autograd loop"]],
+             "matmul_flops_per_iteration": 1e7, "vmap_flops_per_s": 2e9, "bmm_peak_flops_per_s": 5e10,
+             "fraction_of_peak": 0.04,
              "rows": [  # no higher; 4.89x misses 5x
                  {"method": "per-task autograd loop", "iterations_per_s": timing, "speed_vs_loop": 1.0,
                   "speedup_of_vmap": 4.89, "gradient_reference": "central finite differences",
@@ -254,6 +257,8 @@ def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, 
     assert "| per-task higher loop | not installed: pip install -e '.[bench]' |" in quick
     assert "paper setup (25 tasks, 10 support and 10 query" in quick
     assert "default setup (25 tasks, 10 support and 100 query" in quick
+    assert "10.00 MFLOP of matmuls (torch's FlopCounterMode); at its median it/s that is 2.00 GFLOP/s, 4.0% of the " \
+        "50.0 GFLOP/s one thread reaches" in quick
     quick_overhead = (results / "quick" / "overhead.md").read_text()
     assert "| lightning | not installed: pip install -e '.[bench]' |" in quick_overhead
     assert "| 32-true | core | 108 | 1.080 [1.050-1.110] | cpu | 1.080 [1.050-1.110] | 8 | **no** |" in quick_overhead
