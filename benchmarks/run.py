@@ -265,7 +265,8 @@ def run_checkpoint(quick: bool) -> str:
 
 
 SEEDS = (0, 1, 2)
-DEFAULT_THREADS = "torch's default threads (one per core)"  # what each quality run uses
+DEFAULT_THREADS = "each command's default threads (torch's, one per core; metalearn's --threads 1)"  # quality runs'
+RENAMED = {"torch's default threads (one per core)": DEFAULT_THREADS}  # the same setting, as older results name it
 
 
 def _quality_runs() -> list[tuple[str, str, list[str]]]:
@@ -289,7 +290,7 @@ def run_quality(workloads=None) -> str:
         results = json.loads((RESULTS / "quality.json").read_text())
         for record in results["rows"]:
             record.setdefault("commit", results["environment"]["commit"])
-            record.setdefault("threads", DEFAULT_THREADS)
+            record["threads"] = RENAMED.get(record.get("threads"), record.get("threads", DEFAULT_THREADS))
             previous[record["workload"], record["setup"]] = record
     commit = environment()["commit"]
     commands, records = [], []

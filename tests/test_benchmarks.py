@@ -168,7 +168,7 @@ def test_a_failing_parity_row_is_shown_failing_and_results_are_well_formed(resul
     markdown = bench.run_parity(quick=True)
     row = next(line for line in markdown.splitlines() if line.startswith("| gan | single"))
     assert row.count("**no**") == 1 and "max diff 0.5" in row  # memory misses its target; time takes no verdict
-    assert "| 1.500 [1.500-1.500] | +-0.020 |" in row and row.endswith("| wp |")  # CPU ratio, gan's floor; wrapped first
+    assert "| 1.500 [1.500-1.500] | +-0.020 |" in row and row.endswith("| wp |")  # CPU ratio, floor; wrapped 1st
     assert "| gan | plain (A/A) | 32-true |" in markdown and "gan 0.020 (0.500 on the clock)" in markdown
     deepspeed = next(line for line in markdown.splitlines() if line.startswith("| gan | deepspeed_stage_2"))
     assert "| +-0.020 |" in deepspeed
@@ -311,7 +311,7 @@ def test_quality_reruns_only_the_named_workloads_and_says_which_rows_are_older(r
     assert "| gan | default | fid_classifier | 0.51 | 0.5-0.52 (sd 0.01) | <= 0.9 | yes |" in markdown
     assert "gan at new1234; autoencoder, metalearn at old5678." in markdown
     by_hand = next(r for r in committed["rows"] if r["setup"] != "default")  # named in the header with its threads
-    assert f"torch's default threads (one per core); {by_hand['workload']} {by_hand['setup']}: 1 thread" \
+    assert f"{bench.DEFAULT_THREADS}; {by_hand['workload']} {by_hand['setup']}: 1 thread" \
         in markdown.splitlines()[0]
 
 
