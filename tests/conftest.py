@@ -1,4 +1,5 @@
 """Shared test set-up: one thread per process, a private classifier cache, helpers to run the scripts."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -10,8 +11,24 @@ import torch
 from common.resume import resolve_run
 
 ROOT = Path(__file__).resolve().parent.parent
+# seconds: a deadline that catches a hang (a collective waits 30 minutes by default), never a busy machine; a test
+# asserts what happened (a step, a line, a file), not how fast
+HANG = 300
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    """DeepSpeed compiles its shared-memory op with ninja on first use (a minute or more) into torch's extension
+    cache: build it once here, before any test's clock starts. pytest-xdist's controller runs this before it
+    starts its workers; a worker finds it built."""
+    if hasattr(config, "workerinput") or importlib.util.find_spec("deepspeed") is None:
+        return
+    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    if any(cache.glob("**/deepspeed_shm_comm/*.so")):
+        return
+    subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"], cwd=ROOT,
+                   capture_output=True, timeout=1800)  # a failed build shows in the DeepSpeed tests themselves
 
 
 def pytest_collection_modifyitems(config, items):
