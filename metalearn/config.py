@@ -31,7 +31,7 @@ class Config(RunConfig):
     eval_tasks: int = flag(600, "held-out tasks for the final evaluation")
     eval_queries: int = flag(100, "query points per held-out task (sinusoid) or per class (classification)")
     threads: int = flag(1, "intra-op threads per process (0: torch's default, or core's share with --devices); "
-                           "MAML's 40-unit layers run fastest on one, and the figures then do not depend on the cores")
+                           "one is as fast for MAML's 40-unit layers, and the figures then do not depend on the cores")
 
     def check(self):
         super().check()
