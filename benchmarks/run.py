@@ -378,14 +378,18 @@ QUALITY_NOTES = (
     "of the weights (power, uniform, no warm-up) and BatchNorm statistics recomputed for the average: no gain. "
     "The 360-image score is noisy: one generator scored 1.16, 0.77 and 1.12 on three draws. The probes ran at 1 "
     "thread and the table's runs at 2: the thread count changes the order of float sums and, over 3000 GAN steps, "
-    "the trajectory (on the default eval draw the probes scored 0.57 / 0.38 / 0.56 for seeds 0-2, the table "
-    "0.66 / 0.47 / 0.73). `train s` is the whole run, the final scoring of both generators included.\n\n"
+    "the trajectory (on the default eval draw the probes scored 0.57 / 0.38 / 0.56 for seeds 0-2, the table at "
+    "ead227d 0.66 / 0.47 / 0.73). `train s` is the whole run, the final scoring of both generators included.\n\n"
     "MAML: the default is the paper's sinusoid setup (10 query points per task) with the outer learning rate "
     "decaying from 5e-3 to 0 on a cosine; the row beside it holds the paper's constant 1e-3. Measured while "
     "choosing (seed 0, 20k iterations, 1-step MSE): 1e-3 constant 0.423, 2e-3 0.412, 3e-3 cosine 0.390, 5e-3 "
     "cosine with 1000 warm-up steps 0.380 (seeds 0-2: 0.369), without warm-up 0.371 (seeds 0-2: 0.364); 100 "
     "query points at 1e-3 constant (the earlier default) 0.404 over seeds 0-2, its error rising again from 5 to "
-    "10 steps (0.166, 0.207). Each seed's figures: quality.json.\n")
+    "10 steps (0.166, 0.207). The default runs one thread (`--threads 1`) so that its figures do not depend on "
+    "the machine's cores: on two threads (`--threads 0` here) the same command gave 0.397 / 0.367 / 0.384 after 1 "
+    "step (mean 0.382, just over the target; 0.133 / 0.126 / 0.162 after 5, 0.108 / 0.104 / 0.115 after 10), "
+    "the order of float sums moving the 1-step MSE by up to 0.03; the digits rows were the same on one and two. "
+    "Each seed's figures: quality.json.\n")
 
 
 def update_readme(sections: dict) -> None:
