@@ -140,6 +140,11 @@ def error_exit(prog: str, message: str):
     sys.exit(2)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (what taskset, SLURM or a container left it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 @dataclass
 class RunConfig:
     """The flags every workload shares, under the same names."""
@@ -172,7 +177,7 @@ class RunConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
         self.check_at_least(1, "max_steps", "batch_size", "accumulate", "log_every")  # log_every: the loss check's too
         self.check_at_least(0, "checkpoint_every", "num_workers", "warmup_steps")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cores()
         if self.num_workers > 4 * cores:  # torch warns above one per core; more than 4 per core cannot pay
             raise ValueError(f"--num-workers {self.num_workers}: each worker is a process, and this process may use "
                              f"{cores} cores; pass at most {4 * cores} (one per core is usual)")

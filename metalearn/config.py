@@ -1,10 +1,9 @@
 """MAML's configuration, shared by both variants; defaults are the paper's sinusoid setup, with the outer
 learning rate on a cosine schedule from 5e-3 (metalearn/README.md says why)."""
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
-from common.config import RunConfig, flag
+from common.config import RunConfig, flag, usable_cores
 from metalearn.data import TASKS
 
 
@@ -39,9 +38,9 @@ class Config(RunConfig):
             raise ValueError("--inner-steps must be >= 0, --shots and --queries >= 1")
         self.check_at_least(1, "ways", "hidden", "eval_tasks", "eval_queries")
         self.check_at_least(0, "inner_lr", "lr", "threads")
-        if self.threads > 4 * (os.cpu_count() or 1):
-            raise ValueError(f"--threads {self.threads}: this machine has {os.cpu_count()} cores; pass at most "
-                             f"{4 * (os.cpu_count() or 1)} (0: torch's default)")
+        if self.threads > 4 * usable_cores():
+            raise ValueError(f"--threads {self.threads}: this process may use {usable_cores()} cores; pass at most "
+                             f"{4 * usable_cores()} (0: torch's default)")
         self.check_fits({"--hidden": self.hidden ** 2,  # a hidden layer's weight, a meta-batch, the held-out tasks
                          "--batch-size, --accumulate, --shots and --queries":
                              self.batch_size * self.accumulate * (self.shots + self.queries),
