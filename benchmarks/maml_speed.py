@@ -1,12 +1,14 @@
 """MAML meta-iterations per second on sinusoid tasks (40-40 ReLU MLP, 1 inner step, alpha 0.01, 25 tasks):
-the vectorised torch.func learner (eager, and compiled by torch.compile as `--compile` does; its
-compilation falls in the warm-up repeat), a per-task `autograd.grad(create_graph=True)` loop (the reference: what
-plain PyTorch without torch.func does) and, when installed, a per-task loop written with `higher`. Two
-setups: the paper's (K=10 support, 10 query points per task) and the default `python -m metalearn.train`
-(metalearn/config.py's values, now also 10 query points). Before timing, in float64, the loop's meta-gradient is checked
+the learner `python -m metalearn.train` runs (metalearn/maml.py: every task through its own expanded copy of the
+weights, one batched matmul per layer; eager, and compiled by torch.compile as `--compile` does, its compilation
+in the warm-up repeat), the same meta-loss by torch.func (`grad` of one task under `vmap`, the learner's
+formulation before it was batched by hand), a per-task `autograd.grad(create_graph=True)` loop (the reference:
+what plain PyTorch does without batching) and, when installed, a per-task loop written with `higher`. Setups: the
+paper's (K=10 support, 10 query points per task) and the default `python -m metalearn.train` (metalearn/config.py's
+values), measured once where they are the same. Before timing, in float64, the loop's meta-gradient is checked
 against central finite differences, and each other method's against the loop's (allclose 1e-6).
 Timing: float32, one thread; each repeat runs the methods in an order drawn at random (seeded, recorded). Against
-the machine: the vmap path's matmul FLOPs per meta-iteration (torch's FlopCounterMode) times its it/s, as a
+the machine: the learner's matmul FLOPs per meta-iteration (torch's FlopCounterMode) times its it/s, as a
 fraction of the FLOP/s this thread reaches on a bmm of the model's own shapes."""
 import random
 import statistics
@@ -14,6 +16,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
 
 from benchmarks.record import spread
 from metalearn.data import Sinusoid
@@ -21,9 +24,24 @@ from metalearn.maml import MetaLearner
 from metalearn.model import MLP
 
 
-def _vmap(learner, batch):
+def _learner(learner, batch):
     learner.zero_grad()
     learner(*batch).mean().backward()
+
+
+def _vmap(learner, batch):  # one task's adaptation by torch.func.grad, vectorised over the tasks by vmap
+    model, lr = learner.model, learner.inner_lr
+    params = dict(model.named_parameters())
+
+    def task_loss(weights, x, y):
+        return F.mse_loss(functional_call(model, weights, (x,)), y)
+
+    def query_loss(sx, sy, qx, qy):
+        grads = grad(task_loss)(params, sx, sy)
+        return task_loss({name: p - lr * grads[name] for name, p in params.items()}, qx, qy)
+
+    learner.zero_grad()
+    vmap(query_loss)(*batch).mean().backward()
 
 
 def _autograd_loop(learner, batch):
@@ -35,7 +53,7 @@ def _autograd_loop(learner, batch):
         loss = F.mse_loss(model(sx), sy)
         grads = torch.autograd.grad(loss, params, create_graph=True)
         fast = {n: p - learner.inner_lr * g for n, p, g in zip(names, params, grads)}
-        total = total + F.mse_loss(torch.func.functional_call(model, fast, (qx,)), qy)
+        total = total + F.mse_loss(functional_call(model, fast, (qx,)), qy)
     (total / len(batch[0])).backward()
 
 
@@ -74,21 +92,23 @@ def _finite_difference_check(learner, batch, coordinates: int = 12, eps: float =
 
 
 LOOP = "per-task autograd loop"
-COMPILED = "vmap + torch.compile"
+LEARNER = "batched (metalearn.maml)"
+COMPILED = "batched + torch.compile"
+HIGHER = "per-task higher loop"
 _compiled = {}  # id(learner) -> torch.compile(learner), compiled once per learner (in the warm-up)
 
 
-def _vmap_compiled(learner, batch):  # what `python -m metalearn.train --compile` runs
+def _learner_compiled(learner, batch):  # what `python -m metalearn.train --compile` runs
     if id(learner) not in _compiled:
         _compiled[id(learner)] = torch.compile(learner)
-    _vmap(_compiled[id(learner)], batch)
+    _learner(_compiled[id(learner)], batch)
 
 
 def measure_setup(tasks: int, shots: int, queries: int, iterations: int, repeats: int, seed: int = 0) -> dict:
-    methods = {LOOP: _autograd_loop, "vmap (torch.func)": _vmap, COMPILED: _vmap_compiled}
+    methods = {LOOP: _autograd_loop, LEARNER: _learner, "vmap (torch.func)": _vmap, COMPILED: _learner_compiled}
     try:
         import higher  # noqa: F401
-        methods["per-task higher loop"] = _higher_loop
+        methods[HIGHER] = _higher_loop
     except ImportError:
         pass
     # correctness first, in float64: the loop against finite differences, the others against the loop
@@ -125,23 +145,23 @@ def measure_setup(tasks: int, shots: int, queries: int, iterations: int, repeats
     median = {name: statistics.median(values) for name, values in samples.items()}
     flops = meta_iteration_flops(learner, batches[0])
     peak = bmm_peak(tasks, shots + queries, 40)
-    achieved = flops * median["vmap (torch.func)"]
+    achieved = flops * median[LEARNER]
     rows = [{"method": name, "iterations_per_s": spread(values), "speed_vs_loop": median[name] / median[LOOP],
-             "speedup_of_vmap": median["vmap (torch.func)"] / median[name],
+             "speedup_of_learner": median[LEARNER] / median[name],
              "gradient_reference": "central finite differences" if name == LOOP else LOOP,
              "meta_gradient_matches": agree[name]} for name, values in samples.items()]
     return {"tasks": tasks, "shots": shots, "queries": queries, "orders": orders, "rows": rows,
-            "matmul_flops_per_iteration": flops, "vmap_flops_per_s": achieved, "bmm_peak_flops_per_s": peak,
+            "matmul_flops_per_iteration": flops, "learner_flops_per_s": achieved, "bmm_peak_flops_per_s": peak,
             "fraction_of_peak": achieved / peak}
 
 
 def meta_iteration_flops(learner, batch) -> float:
-    """The matrix-multiply FLOPs of one vectorised meta-iteration (forward, inner gradient, outer backward), as
+    """The matrix-multiply FLOPs of one of the learner's meta-iterations (forward, inner gradient, outer backward), as
     torch's FlopCounterMode counts them (matmuls only: elementwise work is left out, as the peak leaves it)."""
     from torch.utils.flop_counter import FlopCounterMode
     counter = FlopCounterMode(display=False)
     with counter:
-        _vmap(learner, batch)
+        _learner(learner, batch)
     return float(counter.get_total_flops())
 
 
@@ -165,10 +185,11 @@ def bmm_peak(tasks: int, points: int, width: int, seconds: float = 1.0) -> float
 
 
 def setups() -> dict:
-    """(tasks, shots, queries) of the paper's sinusoid runs and of the default command (metalearn/config.py)."""
+    """(tasks, shots, queries) of the paper's sinusoid runs and of the default command (metalearn/config.py), one
+    setup where they are the same."""
     from metalearn.config import Config
-    default = Config()
-    return {"paper": (25, 10, 10), "default": (default.batch_size, default.shots, default.queries)}
+    paper, default = (25, 10, 10), (Config().batch_size, Config().shots, Config().queries)
+    return {"default (the paper's)": paper} if default == paper else {"paper": paper, "default": default}
 
 
 def measure(iterations: int = 200, repeats: int = 5) -> dict:

@@ -9,7 +9,7 @@ from metalearn.data import TASKS
 
 @dataclass
 class Config(RunConfig):
-    refused_choices: ClassVar[dict] = {"strategy": ("deepspeed",)}  # check() says why; --help leaves them out
+    refused_choices: ClassVar[dict] = {"strategy": ("deepspeed_stage_3",)}  # check() says why; --help leaves it out
     dataset: str = flag("sinusoid", "task family (sinusoid and digits are embedded)", choices=TASKS)
     max_steps: int = flag(20000, "meta-iterations (outer optimizer steps)")
     batch_size: int = flag(25, "tasks per meta-batch, split across processes")
@@ -48,7 +48,6 @@ class Config(RunConfig):
                              self.eval_tasks * (self.shots + self.eval_queries)})
         if getattr(self, "strategy", "").startswith(self.refused_choices["strategy"]):  # the wrapped variant's flag
             raise ValueError(
-                "MAML cannot run under DeepSpeed: its inner loop takes parameter gradients inside forward, and "
-                "ZeRO's gradient hooks also fire on those (stages 1-2 gave a meta-gradient off by 3e-4 after 5 "
-                "steps) or cannot be vmapped (stage 3), so the meta-gradient would be wrong. Use --strategy ddp "
-                "or fsdp, which are exact.")
+                "MAML cannot run under DeepSpeed ZeRO-3: ZeRO-3 gathers a layer's weights only when that layer's "
+                "own forward runs, and the learner reads them directly to make each task's copy. Use --strategy "
+                "deepspeed_stage_1, deepspeed_stage_2, ddp or fsdp, which are exact.")

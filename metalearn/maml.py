@@ -1,15 +1,20 @@
-"""MAML (Finn et al., 2017) on torch.func: inner steps by `grad`, tasks in parallel by `vmap`.
+"""MAML (Finn et al., 2017), all tasks of a meta-batch at once.
+
+Each weight w is expanded to one copy per task, w_t (a view, no copy), and the network runs every task
+through its own copy in one batched matmul per layer (the model's `forward_tasks`). Since task t's loss
+depends only on w_t, one `autograd.grad` of the summed support losses gives every task its own inner
+gradient, and w_t' = w_t - lr * dL_t/dw_t. The outer gradient of the query losses flows back through
+these updates to w (create_graph), summed over the tasks by the expand.
 
 The learner is an nn.Module whose forward returns the meta-loss of a batch of tasks, so it is set up
-and synchronised like any other model: its inner loop runs inside forward (torch.func's `grad` is a
-function transform, not a backward through the strategy's hooks), and the one outer `backward`
-reaches the initial weights (and, for Meta-SGD, the learned step sizes) through every inner update.
-Under DDP each process takes its share of the tasks; the all-reduced gradient of the mean meta-loss
-is the gradient of the whole meta-batch.
+and synchronised like any other model: its inner loop runs inside forward (`autograd.grad` with respect
+to the per-task copies, which never reaches the strategy's hooks on the weights themselves), and the one
+outer `backward` reaches the initial weights (and, for Meta-SGD, the learned step sizes) through every
+inner update. Under DDP each process takes its share of the tasks; the all-reduced gradient of the mean
+meta-loss is the gradient of the whole meta-batch.
 """
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
 
 class InnerSGD:
@@ -52,35 +57,39 @@ class MetaLearner(nn.Module):
             name: self.inner_lrs[name.replace(".", "_")] for name, _ in self.model.named_parameters()}
         return InnerSGD(lr, self.first_order if first_order is None else first_order)
 
-    def _task_loss(self, params, x, y):
-        return self.loss_fn(functional_call(self.model, params, (x,)), y)
+    def task_losses(self, params: dict, x, y):  # -> (T,) each task's mean loss under its own weights
+        predictions = self.model.forward_tasks(params, x)
+        return self.loss_fn(predictions.flatten(0, 1), y.flatten(0, 1), reduction="none").view(len(x), -1).mean(1)
 
     def adapt(self, params: dict, support_x, support_y, steps: int, optimizer: InnerSGD) -> dict:
-        """`steps` inner updates of `params` on one task's support set."""
+        """`steps` inner updates of each task's weights (`params`: name -> (T, *shape)) on its support set."""
+        def loss(weights):  # the sum over tasks: task t's own gradient is d loss / d w_t
+            return self.task_losses(weights, support_x, support_y).sum()
+
         for _ in range(steps):
-            params = optimizer.step(params, grad(self._task_loss)(params, support_x, support_y))
+            if torch.compiler.is_compiling():  # (--compile) torch.func.grad traces into one graph, autograd.grad
+                grads = torch.func.grad(loss)(params)  # would break it where compiled code cannot double-backward
+            else:  # the same gradient, faster eagerly
+                grads = dict(zip(params, torch.autograd.grad(loss(params), list(params.values()),
+                                                             create_graph=not optimizer.first_order)))
+            params = optimizer.step(params, grads)
         return params
 
+    def per_task(self, tasks: int) -> dict:  # each weight as T views of itself, (T, *shape)
+        return {name: p.expand(tasks, *p.shape) for name, p in self.model.named_parameters()}
+
     def forward(self, support_x, support_y, query_x, query_y):  # -> (T,) query loss of each task
-        params = dict(self.model.named_parameters())
-        optimizer = self.inner_optimizer()
-
-        def query_loss(sx, sy, qx, qy):  # one task: adapt on its support set, score on its query set
-            return self._task_loss(self.adapt(params, sx, sy, self.inner_steps, optimizer), qx, qy)
-
-        return vmap(query_loss)(support_x, support_y, query_x, query_y)
+        adapted = self.adapt(self.per_task(len(support_x)), support_x, support_y, self.inner_steps,
+                             self.inner_optimizer())
+        return self.task_losses(adapted, query_x, query_y)
 
     @torch.no_grad()
     @torch.compiler.disable  # a compiled learner (--compile) runs this eagerly: each step count would recompile
     def evaluate(self, support_x, support_y, query_x, query_y, steps: int):
         """Per-task query outputs and losses after `steps` inner updates (no meta-gradient)."""
-        params = {name: p.detach() for name, p in self.model.named_parameters()}
-        optimizer = self.inner_optimizer(first_order=True)
-
-        def outputs(sx, sy, qx):
-            adapted = self.adapt(params, sx, sy, steps, optimizer)  # grad is a transform: no_grad does not stop it
-            return functional_call(self.model, adapted, (qx,))
-
-        predictions = vmap(outputs)(support_x, support_y, query_x)
-        losses = vmap(self.loss_fn)(predictions, query_y)
+        with torch.enable_grad():  # the inner gradients, of detached weights: nothing reaches the model's
+            params = {name: p.detach().requires_grad_() for name, p in self.per_task(len(support_x)).items()}
+            adapted = self.adapt(params, support_x, support_y, steps, self.inner_optimizer(first_order=True))
+        predictions = self.model.forward_tasks(adapted, query_x)
+        losses = self.task_losses(adapted, query_x, query_y)
         return predictions, losses
