@@ -259,7 +259,8 @@ def test_quick_runs_write_beside_the_full_results_and_leave_the_readme(results, 
             "central finite differences | yes |") in quick
     assert "| batched (metalearn.maml) | 1 | 1.0-1.0 | 4.89 |  |  |  | per-task autograd loop | yes |" in quick
     assert "| vmap (torch.func) | 1 | 1.0-1.0 | 2 | 2.445 |  |  | per-task autograd loop | yes |" in quick
-    assert "| per-task higher loop | not installed: pip install -e '.[bench]' |  |  |  | >= 20x this (learner) |" in quick
+    assert ("| per-task higher loop | not installed: pip install -e '.[bench]' |  |  |  | >= 20x this (learner) |"
+            in quick)
     assert "paper setup (25 tasks, 10 support and 10 query" in quick
     assert "default setup (25 tasks, 10 support and 100 query" in quick
     assert "10.00 MFLOP of matmuls (torch's FlopCounterMode); at its median it/s that is 2.00 GFLOP/s, 4.0% of the " \
