@@ -5,7 +5,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torchvision.utils import save_image
 
 
 def psnr(mse_pm1: float) -> float:
@@ -32,6 +31,7 @@ def finish(run, config, results: dict, started: float, steps: int) -> dict:
     """Write reconstructions.png, codes.png (2-D latents), the loss plot and summary.json (rank 0 only)."""
     if not run.write:
         return {}
+    from torchvision.utils import save_image  # here: torchvision takes seconds to import, and only rank 0 writes
     codes, labels = results.pop("codes"), results.pop("labels")
     grid = torch.cat([results.pop("images"), results.pop("reconstructions").float()])  # inputs above outputs
     save_image(grid, run.path / "reconstructions.png", nrow=16, normalize=True, value_range=(-1, 1))

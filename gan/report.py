@@ -4,7 +4,6 @@ import time
 from contextlib import nullcontext
 
 import torch
-from torchvision.utils import save_image
 
 from gan.data import load_images
 from gan.score import Scorer
@@ -12,6 +11,7 @@ from gan.score import Scorer
 
 def save_samples(run, images: torch.Tensor, step: int) -> None:
     if run.write:
+        from torchvision.utils import save_image  # here: torchvision takes seconds to import, and only rank 0 writes
         (run.path / "samples").mkdir(exist_ok=True)
         save_image(images.float().cpu(), run.path / "samples" / f"step_{step:06d}.png", nrow=8, normalize=True,
                    value_range=(-1, 1))
