@@ -4,8 +4,10 @@
 so the suite trains with no download. `mnist`, `fashion-mnist`, `cifar10`, `celeba` and `folder` (any
 ImageFolder tree) load through torchvision from `--data-root`; `fake` is noise for smoke tests only.
 """
+import importlib.util
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -33,12 +35,25 @@ class DatasetNotFound(FileNotFoundError):
     """The dataset's files are not under the data root; the message says where they must be."""
 
 
-def _digits(image_size: int, train: bool):
-    from sklearn.datasets import load_digits
+def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """The 1,797 digits as (1797, 8, 8) float32 in [0, 16] and their int64 labels: the arrays of
+    `sklearn.datasets.load_digits` (tests/test_data.py checks), read from the file scikit-learn's wheel ships
+    without importing scikit-learn, which costs every process of a run 1-3 s (most of it scipy.stats)."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None:
+        raise ModuleNotFoundError("The embedded digits ship inside scikit-learn: pip install scikit-learn")
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+    if not path.is_file():  # scikit-learn moved its file: its own loader reads it
+        from sklearn.datasets import load_digits as sklearn_digits
+        digits = sklearn_digits()
+        return torch.tensor(digits.images, dtype=torch.float32), torch.tensor(digits.target)
+    data = np.loadtxt(path, delimiter=",", dtype=np.float32)  # 64 pixels, then the label, per row
+    return torch.from_numpy(data[:, :-1]).view(-1, 8, 8), torch.from_numpy(data[:, -1]).long()
 
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (1797, 1, 8, 8) in [0, 1]
-    labels = torch.tensor(digits.target)
+
+def _digits(image_size: int, train: bool):
+    images, labels = load_digits()
+    images = images.unsqueeze(1) / 16.0  # (1797, 1, 8, 8) in [0, 1]
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
     split = int(0.8 * len(order))  # a fixed 80/20 split: 1,437 train, 360 held out
     index = order[:split] if train else order[split:]

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from common.data import download_failure, download_once
+from common.images import load_digits
 
 TASKS = ("sinusoid", "digits", "omniglot")
 
@@ -59,11 +60,8 @@ class Classes:
 
 
 def _digits_by_class(classes) -> torch.Tensor:
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32) / 16.0
-    labels = torch.tensor(digits.target)
+    images, labels = load_digits()
+    images = images / 16.0
     per_class = min(int((labels == c).sum()) for c in classes)
     return torch.stack([images[labels == c][:per_class] for c in classes])  # (C, M, 8, 8)
 

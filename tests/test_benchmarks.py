@@ -32,16 +32,22 @@ def test_a_full_run_from_uncommitted_code_is_refused(results, monkeypatch, capsy
 
 
 @pytest.mark.slow
-def test_overhead_measures_every_path_in_interleaved_blocks():
-    for path in overhead.ROWS:
-        row = overhead.run_row(path, rounds=2)  # its own process, as a full run takes it
-        assert row["command"].startswith(f"python -m benchmarks.overhead {path}")
-        assert list(row["samples"])[:2] == ["plain", "core"] and len(row["orders"]) == 2
-        for clock in paired.CLOCKS:
-            ratio = row["ratios"]["core"][clock]
-            assert ratio["rounds"] == 2 and ratio["interval"][0] <= ratio["ratio"] <= ratio["interval"][1]
-        assert ("graph_walk_us" in row) == path.startswith("gan ")
-        assert set(row["samples"]) <= {"plain", "core", "lightning"}
+@pytest.mark.parametrize("path", [path for path in overhead.ROWS if path != "gan 16-mixed"])
+def test_overhead_measures_every_path_in_interleaved_blocks(path):
+    """Each row in a process of its own. Not "gan 16-mixed" (its float16 GAN steps take seconds each on a CPU):
+    its measurement is the other GAN row's, and its two sides are tested by the next test but one."""
+    row = overhead.run_row(path, rounds=2)  # its own process, as a full run takes it
+    assert row["command"].startswith(f"python -m benchmarks.overhead {path}")
+    assert list(row["samples"])[:2] == ["plain", "core"] and len(row["orders"]) == 2
+    for clock in paired.CLOCKS:
+        ratio = row["ratios"]["core"][clock]
+        assert ratio["rounds"] == 2 and ratio["interval"][0] <= ratio["ratio"] <= ratio["interval"][1]
+    assert ("graph_walk_us" in row) == path.startswith("gan ")
+    assert set(row["samples"]) <= {"plain", "core", "lightning"}
+
+
+@pytest.mark.slow
+def test_overhead_times_the_import_and_the_stop_check():
     result = overhead.measure(quick=True, import_repeats=1, paths=())
     assert result["import"]["ratio"] > 0
     assert result["stop_check"]["one_process_us"]["median"] > 0 < result["stop_check"]["two_processes_us"]["median"]

@@ -173,6 +173,17 @@ def write_idx(path, array: np.ndarray, compress: bool):
     (gzip.open(f"{path}.gz", "wb") if compress else open(path, "wb")).write(data)
 
 
+def test_the_embedded_digits_are_scikit_learns():
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    from common.images import load_digits
+    images, labels = load_digits()
+    reference = sklearn_digits()
+    assert images.dtype == torch.float32 and labels.dtype == torch.int64
+    assert torch.equal(images, torch.tensor(reference.images, dtype=torch.float32))
+    assert torch.equal(labels, torch.tensor(reference.target))
+
+
 @pytest.mark.parametrize("name, folder", [("mnist", "MNIST"), ("fashion-mnist", "FashionMNIST")])
 def test_mnist_style_idx_files(tmp_path, name, folder):
     raw = tmp_path / folder / "raw"
