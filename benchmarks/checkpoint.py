@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core import Fabric, checkpoint
+from core import checkpoint
+from core.compat import Fabric  # for init_module(empty_init=True), which the drop-in offers
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -1,7 +1,7 @@
 """--logger, for both variants: the records a run writes to metrics.jsonl, also as `metrics.csv` (the csv
 module) or as TensorBoard event files in `tensorboard/` (torch's SummaryWriter). A resumed run continues them
 from its step: the CSV is rewritten from the records kept, TensorBoard purges the events after that step.
-(core.loggers holds Lightning-style loggers for `Fabric(loggers=...)`; the training scripts use these.)"""
+(core.compat holds Lightning-style loggers for its `Fabric(loggers=...)`; the training scripts use these.)"""
 import csv
 from pathlib import Path
 

@@ -8,13 +8,8 @@ import torch
 
 from core import checkpoint, launcher
 from core.precision import PRECISIONS
-from core.strategies import LIGHTNING_NAMES, STRATEGIES, SingleDevice, check_installed
+from core.strategies import STRATEGIES, SingleDevice, check_installed
 from core.validation import ACCELERATORS, check_devices, device_kind, resolve_arguments
-
-# ddp_spawn runs a function in new processes (fabric.launch(fn)); the scripts run top to bottom after a
-# plain fabric.launch(), which re-runs the command for the other ranks, so the flag does not offer it, nor
-# Lightning's other names (kept for ported scripts).
-SCRIPT_STRATEGIES = ("auto", *(name for name in STRATEGIES if name != "ddp_spawn" and name not in LIGHTNING_NAMES))
 
 
 @dataclass
@@ -24,7 +19,7 @@ class FabricFlags:
                                                        "choices": ACCELERATORS})
     strategy: str = field(default="auto", metadata={
         "help": "how models are wrapped and synchronised; auto: ddp for several processes, else single. "
-                "deepspeed* needs the deepspeed extra", "choices": SCRIPT_STRATEGIES})
+                "deepspeed* needs the deepspeed extra", "choices": ("auto", *STRATEGIES)})
     devices: str = field(default="1", metadata={
         "help": "processes on this machine (one per GPU, or CPU processes sharing the cores), or auto: one "
                 "per visible GPU with cuda, 1 on cpu, the number started by torchrun or SLURM under them"})
@@ -78,7 +73,7 @@ class FabricFlags:
         devices = int(self.devices) if self.devices.isdigit() else self.devices
         options = {"accelerator": self.accelerator, "strategy": self.strategy, "devices": devices,
                    "num_nodes": self.num_nodes, "precision": self.precision}
-        strategy = resolve_arguments(*options.values(), None)[1]  # "auto" as Fabric resolves it
+        strategy = resolve_arguments(*list(options.values())[:4])[1]  # "auto" as Fabric resolves it
         if STRATEGIES[strategy][0] is not SingleDevice:  # one process has no collective to wait in
             options["timeout"] = self.collective_timeout
         workload_config = getattr(self, "deepspeed_config", lambda: None)()  # a workload's needs, if it has any

@@ -15,54 +15,59 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from core import checkpoint, launcher, validation
-from core.conveniences import Conveniences
-from core.precision import map_nested, make_precision
+from core.nested import map_nested
+from core.precision import make_precision
 from core.seed import WorkerSeeder, global_seed, seed_workers
-from core.strategies import SingleDevice, make_strategy
+from core.state import collect, restore
+from core.strategies import STRATEGIES, SingleDevice, make_strategy
 from core.loaders import FabricDataLoader, rebuild_loader, shard_loader
 from core.wrappers import (BackwardState, FabricModule, FabricOptimizer, compile_like, frozen_parameters, move_to,
                            unwrap_compiled, wrap_optimizer)
 
 
 _NO_FUNCTION = object()  # launch() without a function (None is refused, as Lightning refuses it)
+_DROP_IN = ("plugins", "callbacks", "loggers")  # Fabric() arguments of the Lightning drop-in, core.compat.Fabric
 
 
-class Fabric(Conveniences):
+class Fabric:
     """Moves models to the device, applies precision, wraps them for a strategy and wraps their optimizers.
 
-    Args (each of the first five, when not given, is read from the environment that Lightning's `fabric run`
-    sets, LT_ACCELERATOR ... LT_PRECISION, else takes its default):
+    Args:
         accelerator: "cpu", "cuda" (or "gpu"), or "auto" (CUDA when available; the default).
         strategy: a name in core.strategies.STRATEGIES; "auto" (the default) is "ddp" for several processes
             and "single" otherwise.
         devices: processes per node (GPUs, or CPU processes), or "auto" (the default).
-        num_nodes: machines (default 1); more than one needs torchrun, SLURM or `fabric run` to start the processes.
+        num_nodes: machines (default 1); more than one needs torchrun or SLURM to start the processes.
         precision: a name in core.precision.PRECISIONS ("32-true", the default, "bf16-mixed", "16-mixed",
             "bf16-true", "16-true", "64-true") or one of Lightning's aliases ("bf16", "16", 32, ...).
-        callbacks: objects (or one) whose methods `fabric.call(name, ...)` calls.
-        loggers: loggers (or one) that `fabric.log` and `fabric.log_dict` write to, e.g. core.loggers.CSVLogger.
         **strategy_options: defaults for the strategy, e.g. find_unused_parameters=True for ddp,
             reshard_after_forward=False for fsdp, config=dict-or-json-path for deepspeed.
+
+    What Lightning Fabric offers beyond a training step (callbacks, loggers, `fabric run`, ddp_spawn, ...) is
+    the drop-in layer above this class: `from core.compat import Fabric`.
     """
 
-    def __init__(self, accelerator: str | None = None, strategy: str | None = None, devices=None,
-                 num_nodes: int | None = None, precision=None, plugins=None, callbacks=None, loggers=None,
-                 **strategy_options):
-        accelerator, strategy, devices, num_nodes, precision, env = validation.resolve_arguments(
-            accelerator, strategy, devices, num_nodes, precision, plugins)
+    strategies = STRATEGIES  # the names this Fabric builds strategies from
+
+    def __init__(self, accelerator: str = "auto", strategy: str = "auto", devices="auto", num_nodes: int = 1,
+                 precision="32-true", **strategy_options):
+        drop_in = [name for name in _DROP_IN if name in strategy_options]
+        if drop_in:
+            raise TypeError(f"Fabric({drop_in[0]}=...) is Lightning Fabric's, which core offers as a layer of its "
+                            f"own: `from core.compat import Fabric` takes it.")
+        accelerator, strategy, devices, num_nodes, env = validation.resolve_arguments(
+            accelerator, strategy, devices, num_nodes, self.strategies)
         kind = validation.device_kind(accelerator)
-        self._strategy_name = strategy
         self._devices, self._num_nodes = devices, num_nodes
         device = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
-        self._strategy = make_strategy(strategy, device, make_precision(precision, device), strategy_options)
+        self._strategy = make_strategy(strategy, device, make_precision(precision, device), strategy_options,
+                                       self.strategies)
         self._precision = self._strategy.precision  # the strategy's variant of the mode
         if self._strategy.distributed:  # known before launch, as Lightning reports them
             self._strategy.world_size = devices * num_nodes
             if env:
                 self._strategy.global_rank, self._strategy.local_rank = env["global_rank"], env["local_rank"]
                 self._strategy.node_rank = env["node_rank"]
-        self._callbacks = _as_list(callbacks)
-        self._loggers = _as_list(loggers)
         self._launched = False
         self._set_up_modules = weakref.WeakSet()
         self._set_up_optimizers = weakref.WeakSet()
@@ -72,19 +77,6 @@ class Fabric(Conveniences):
         # backward is loss.backward() when neither a loss scaler nor an engine is involved; where one is, a set-up
         # optimizer refuses to step on gradients that no fabric.backward made
         self._backward = BackwardState(required=self._strategy.backward_needs_module)
-        if launcher.started_by_cli():  # `fabric run` started every process: connect them now, as Lightning does
-            if self._strategy.distributed:
-                self._start_distributed(launcher.start(devices, num_nodes))
-            self._launched = True
-
-    def __getstate__(self):  # ddp_spawn sends the Fabric to new processes; weak sets do not pickle
-        state = self.__dict__.copy()
-        state["_set_up_modules"] = state["_set_up_optimizers"] = None
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._set_up_modules, self._set_up_optimizers = weakref.WeakSet(), weakref.WeakSet()
 
     # --- launching --------------------------------------------------------------------------------
     def launch(self, fn=_NO_FUNCTION, *args, **kwargs):
@@ -93,17 +85,8 @@ class Fabric(Conveniences):
             validation.check_launch_function(fn, args, kwargs)
         else:
             fn = None
-        if launcher.started_by_cli():
-            raise RuntimeError("This script was started by `fabric run`, which started every process already; "
-                               "remove the fabric.launch() call (or run the script with python instead).")
         if self._launched:
             raise RuntimeError("fabric.launch() was called twice; call it once, at the start of the run.")
-        if self._strategy.spawn:
-            if fn is None:
-                raise ValueError(f"strategy={self._strategy_name!r} runs a function in new processes: call "
-                                 f"fabric.launch(fn).")
-            self._launched = True
-            return launcher.spawn(fn, self._devices, self, args, kwargs)
         if self._strategy.distributed:
             self._start_distributed(launcher.start(self._devices, self._num_nodes))
         self._launched = True
@@ -117,7 +100,7 @@ class Fabric(Conveniences):
     def _check_launched(self) -> None:
         if not self._launched and self._strategy.distributed:
             raise RuntimeError(
-                f"strategy={self._strategy_name!r} with {self._devices * self._num_nodes} process(es) needs the "
+                f"strategy={self._strategy.name!r} with {self._devices * self._num_nodes} process(es) needs the "
                 f"processes started first: call `fabric.launch()` before setup, or `fabric.launch(fn)`, or start "
                 f"the script with torchrun.")
 
@@ -161,7 +144,7 @@ class Fabric(Conveniences):
 
     def _check_split_setup(self) -> None:
         if self._strategy.joint_setup:
-            raise RuntimeError(f"The {self._strategy_name!r} strategy does not support setting up the module and "
+            raise RuntimeError(f"The {self._strategy.name!r} strategy does not support setting up the module and "
                                f"optimizer(s) independently: model and optimizers must be set up jointly. Use "
                                f"`fabric.setup(model, *optimizers)`.")
 
@@ -233,7 +216,7 @@ class Fabric(Conveniences):
         guard = self._strategy.guard_submodules and forward_module is not module
         if compiled is not None:
             if not self._strategy.moves_module:
-                raise ValueError(f"strategy={self._strategy_name!r} runs the module inside its engine, which "
+                raise ValueError(f"strategy={self._strategy.name!r} runs the module inside its engine, which "
                                  f"torch.compile cannot wrap from outside; set up the uncompiled module.")
             forward_module = compiled if forward_module is module else compile_like(forward_module, compiled)
         wrapped = FabricModule(forward_module, module, self._precision, guard=guard)
@@ -247,30 +230,30 @@ class Fabric(Conveniences):
     def _register_optimizer(self, optimizer, module: FabricModule) -> FabricOptimizer:
         self._set_up_optimizers.add(optimizer)
         self._precision.add_optimizer(optimizer)
-        strategy, precision = self._strategy, self._precision
-        backward = self._backward
-        backward.required = backward.required or precision.steps_through_scaler(optimizer)
-        callbacks = self._callbacks  # may grow: a LightningModule set up later becomes one
-        may_have_hooks = bool(callbacks) or hasattr(module.module, "_fabric")
-        plain_step = type(strategy).optimizer_step is SingleDevice.optimizer_step
-        if plain_step and not precision.steps_through_scaler(optimizer) and not may_have_hooks:
-            step = optimizer.step  # nothing to add on the way
-        else:
-            check = backward.step_check()
-
-            def step(closure=None):
-                if closure is None:  # a closure runs its own fabric.backward inside the step
-                    check()
-                output = strategy.optimizer_step(optimizer, module, **({"closure": closure} if closure else {}))
-                for callback in callbacks:  # Lightning's callback hook, with its arguments
-                    hook = getattr(callback, "on_after_optimizer_step", None)
-                    if callable(hook):
-                        hook(strategy=strategy, optimizer=optimizer)
-                return output
-        wrapped = wrap_optimizer(optimizer, step)
+        self._backward.required = self._backward.required or self._precision.steps_through_scaler(optimizer)
+        wrapped = wrap_optimizer(optimizer, self._step_function(optimizer, module))
         self._module_of[id(wrapped)] = module
         self._optimizers_of[id(module)].append(wrapped)
         return wrapped
+
+    def _step_function(self, optimizer, module: FabricModule):
+        """What the set-up optimizer's `step(closure)` calls: the optimizer's own step where neither the strategy
+        nor the precision adds anything, else the strategy's step after the check that fabric.backward ran."""
+        strategy = self._strategy
+        plain_step = type(strategy).optimizer_step is SingleDevice.optimizer_step
+        if plain_step and not self._precision.steps_through_scaler(optimizer):
+            return optimizer.step
+        check = self._backward.step_check()
+
+        def step(closure=None):
+            if closure is None:  # a closure runs its own fabric.backward inside the step
+                check()
+            return strategy.optimizer_step(optimizer, module, **({"closure": closure} if closure else {}))
+        return step
+
+    def _after_setup(self, module: nn.Module, wrapped: FabricModule, optimizers: list | None) -> None:
+        """Called at the end of setup (`optimizers` is None for setup_module): nothing here; the drop-in layer
+        links a LightningModule and calls its callbacks."""
 
     # --- training step -----------------------------------------------------------------------------
     def backward(self, tensor: torch.Tensor, *args, model: FabricModule | None = None, **kwargs) -> None:
@@ -407,17 +390,13 @@ class Fabric(Conveniences):
         return self._strategy
 
     # --- checkpoints -------------------------------------------------------------------------------
-    def save(self, path, state: dict, filter: dict | None = None) -> None:
+    def save(self, path, state: dict) -> None:
         """Save set-up modules, optimizers and plain values (numbers, strings, tensors, containers) in
-        one checkpoint, atomically. Every process must call it. `filter` ({key: fn(name, value) -> bool}) keeps
-        only the entries of that key's state dict for which fn is True (Lightning's argument)."""
-        collected = checkpoint.collect(state, self._strategy, self._precision, self._module_of)
-        if filter is not None:
-            if self._strategy.backward_needs_module:  # DeepSpeed: its engines write their own state
-                raise TypeError(f"strategy={self._strategy_name!r} saves through DeepSpeed's engines, which take no "
-                                f"filter; save without it.")
-            collected = checkpoint.apply_filter(collected, filter)
-        self._strategy.save_checkpoint(path, collected)
+        one checkpoint, atomically. Every process must call it."""
+        self._strategy.save_checkpoint(path, self._collect(state))
+
+    def _collect(self, state: dict) -> dict:
+        return collect(state, self._strategy, self._precision, self._module_of)
 
     def load(self, path, state: dict | None = None, strict: bool = True, weights_only: bool | None = None) -> dict:
         """Restore `state`'s modules and optimizers in place, and its plain values; return what the
@@ -425,14 +404,10 @@ class Fabric(Conveniences):
         (core's or Lightning's) and any dict of state dicts saved with torch.save. Files are read with
         weights_only=True unless `weights_only=False` says the file is trusted (it may hold other pickled
         objects, an argparse.Namespace say, whose loading runs code from the file)."""
-        held = None if state is None else \
-            (lambda: checkpoint.collect(state, self._strategy, self._precision, self._module_of))
+        held = None if state is None else (lambda: self._collect(state))
         checkpoint.recover(path)  # a save of this path killed in its renames or its cleanup
         with checkpoint.trusted(weights_only is False):
             saved = self._strategy.load_checkpoint(path, held)
         if state is None:
             return saved
-        return checkpoint.restore(saved, state, self._strategy, self._precision, self._module_of, path, strict)
-
-def _as_list(items) -> list:
-    return [] if items is None else list(items) if isinstance(items, (list, tuple)) else [items]
+        return restore(saved, state, self._strategy, self._precision, self._module_of, path, strict)

@@ -137,21 +137,20 @@ def accepted_kwargs(method, kwargs: dict) -> dict:
     return {key: value for key, value in kwargs.items() if key in names}
 
 
-def resolve_arguments(accelerator, strategy, devices, num_nodes, precision, plugins):
-    """Fabric's arguments checked, with their values from `fabric run` or the defaults where not given, and
-    `auto` resolved: (accelerator, strategy, devices, num_nodes, precision, the launcher's environment)."""
-    accelerator = launcher.from_cli("accelerator", accelerator, "auto")
-    strategy = launcher.from_cli("strategy", strategy, "auto")
-    devices = launcher.from_cli("devices", devices, "auto")
-    num_nodes = launcher.from_cli("num_nodes", num_nodes, 1)
-    precision = launcher.from_cli("precision", precision, "32-true")
-    if plugins is not None:
-        raise ValueError("core takes no plugins: precision is chosen by name (precision='bf16-mixed'), the cluster "
-                         "environment is read from torchrun or SLURM, and checkpoints are core's own.")
+def unknown_strategy(name, strategies) -> str:
+    message = f"Unknown strategy {name!r}. Choose one of: {', '.join(['auto', *strategies])}."
+    if name in ("ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true", "dp"):
+        message += " Lightning's other names come with its drop-in: `from core.compat import Fabric`."
+    return message
+
+
+def resolve_arguments(accelerator, strategy, devices, num_nodes, strategies=STRATEGIES):
+    """Fabric's arguments checked, with `auto` resolved: (accelerator, strategy, devices, num_nodes, the
+    launcher's environment). `strategies`: the table of the names the Fabric takes."""
     if accelerator not in ACCELERATORS:
         raise ValueError(f"Unknown accelerator {accelerator!r}. Choose one of: {', '.join(ACCELERATORS)}.")
-    if strategy != "auto" and strategy not in STRATEGIES:
-        raise ValueError(f"Unknown strategy {strategy!r}. Choose one of: {', '.join(['auto', *STRATEGIES])}.")
+    if strategy != "auto" and strategy not in strategies:
+        raise ValueError(unknown_strategy(strategy, strategies))
     if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
         raise RuntimeError(f"accelerator={accelerator!r} but no CUDA device is visible to torch. "
                            f"Use accelerator='cpu' (or 'auto').")
@@ -168,4 +167,4 @@ def resolve_arguments(accelerator, strategy, devices, num_nodes, precision, plug
     if strategy == "single" and devices * num_nodes > 1:
         raise ValueError(f"strategy='single' runs one process, but devices={devices} and num_nodes={num_nodes}. "
                          f"Use strategy='ddp' (or fsdp, deepspeed) for several.")
-    return accelerator, strategy, devices, num_nodes, precision, env
+    return accelerator, strategy, devices, num_nodes, env

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from core.precision import map_nested
+from core.nested import map_nested
 
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")  # a LightningModule's
@@ -290,16 +290,6 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, step) -> FabricOptimizer:
     wrapped = wrapped_cls.__new__(wrapped_cls)
     wrapped.__dict__.update(_optimizer=optimizer, _step=step)
     return wrapped
-
-
-class SkipInit(torch.overrides.TorchFunctionMode):
-    """Within: torch.nn.init functions leave tensors as they are (uninitialised), for weights that a
-    checkpoint will overwrite (Fabric.init_module(empty_init=True))."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__module__", None) == "torch.nn.init":
-            return args[0] if args else kwargs.get("tensor")
-        return func(*args, **(kwargs or {}))
 
 
 def unwrap_compiled(module: nn.Module):

@@ -50,8 +50,7 @@ def main():
     args = parser.parse_args()
 
     if args.impl == "core":
-        from core import Fabric
-        from core.loggers import CSVLogger
+        from core.compat import CSVLogger, Fabric
     else:
         from lightning.fabric import Fabric
         from lightning.fabric.loggers import CSVLogger

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from core import Fabric
+from core import compat
 from tests.conftest import HANG, ROOT, run
 
 pytestmark = pytest.mark.multiprocess
@@ -69,7 +69,7 @@ def _spawned_step(fabric):
 
 
 def test_ddp_spawn_runs_a_function_and_returns_rank_zero_result():
-    result = Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_spawned_step)
+    result = compat.Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_spawned_step)
     assert result == {"rank": 0, "synced": True, "sum": 1.0}
 
 
@@ -110,7 +110,7 @@ def _submodule_calls(fabric):
 
 def test_ddp_reports_a_submodule_called_outside_the_wrapper():
     """...and the DDP-wrapped module still reads as the original: its hooks fire, its names are the original's."""
-    result = Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_submodule_calls)
+    result = compat.Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_submodule_calls)
     assert "Submodule 'encoder' of the set-up Grouped was called outside its distributed wrapper" in result["direct"]
     assert result["encode_synced"]
     assert result["hook_calls"] == 1  # model(x) fires it; the marked encode() is not forward
@@ -119,7 +119,7 @@ def test_ddp_reports_a_submodule_called_outside_the_wrapper():
 
 
 def test_module_without_trainable_parameters_is_not_wrapped_in_ddp():
-    result = Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_frozen_module_setup)
+    result = compat.Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_frozen_module_setup)
     assert result == "not wrapped"
 
 
@@ -192,7 +192,7 @@ def _sync_controls(fabric):
 
 def test_no_backward_sync_of_several_modules_and_clipping():
     """The ranks' inputs differ, so their local gradients differ until DDP all-reduces them."""
-    result = Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_sync_controls)
+    result = compat.Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_sync_controls)
     assert result["world_size"] == 2
     assert result["unsynced_differ"] and result["synced_equal"] and result["norm"] > 1e-3
 
@@ -290,7 +290,7 @@ def _batch_sampler_orders(fabric):
 
 
 def test_a_batch_samplers_distributed_sampler_gets_each_epoch_under_ddp():
-    orders = Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_batch_sampler_orders)
+    orders = compat.Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_batch_sampler_orders)
     assert all(core_order == plain_order for core_order, plain_order in orders)
     assert orders[0][0] != orders[1][0]  # a new order each epoch
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset, WeightedRandomSampler
 
-from core import Fabric, seed_everything
-from core.loggers import CSVLogger, TensorBoardLogger
+from core import seed_everything
+from core.compat import CSVLogger, Fabric, TensorBoardLogger
 from core.loaders import ShardedSampler
 from tests.conftest import TORCHRUN, run
 
@@ -111,6 +111,16 @@ def test_csv_logger_resumed_at_a_step_keeps_the_rows_up_to_it(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
     assert [(row["step"], row["loss"], row["lr"]) for row in rows] == [("10", "1.0", ""), ("20", "2.0", ""),
                                                                        ("25", "2.5", "0.1")]
+
+
+def test_csv_logger_writes_each_row_as_it_is_logged(tmp_path):
+    """No buffer and no exit hook: a run killed after a log call keeps that row (and the widened header)."""
+    logger = CSVLogger(tmp_path)
+    logger.log_metrics({"loss": 1.0}, step=1)
+    assert list(csv.DictReader(open(tmp_path / "metrics.csv"))) == [{"step": "1", "loss": "1.0"}]
+    logger.log_metrics({"loss": 0.5, "lr": 0.1}, step=2)
+    assert list(csv.DictReader(open(tmp_path / "metrics.csv"))) == [{"step": "1", "loss": "1.0", "lr": ""},
+                                                                    {"step": "2", "loss": "0.5", "lr": "0.1"}]
 
 
 # --- modules ----------------------------------------------------------------------------------------
@@ -373,7 +383,7 @@ def test_fabric_run_starts_the_processes(tmp_path):
     out = tmp_path / "result.json"
     script = tmp_path / "script.py"
     script.write_text(
-        "import json, sys, torch\nfrom core import Fabric\nfabric = Fabric()  # no launch(): the CLI started the ranks\n"
+        "import json, sys, torch\nfrom core.compat import Fabric\nfabric = Fabric()  # no launch(): the CLI started the ranks\n"
         "total = fabric.all_reduce(torch.tensor(float(fabric.global_rank)), reduce_op='sum')\n"
         "if fabric.global_rank == 0:\n"
         "    json.dump({'world_size': fabric.world_size, 'total': total.item()}, open(sys.argv[1], 'w'))\n")
@@ -408,7 +418,7 @@ def test_a_compiled_module_under_ddp_compiles_the_ddp_wrapper():
 FSDP_META_INIT = """
 import json, sys, torch
 from torch import nn
-from core import Fabric
+from core.compat import Fabric
 out, reference = sys.argv[1], sys.argv[2]
 fabric = Fabric(accelerator="cpu", strategy="fsdp", devices=2)
 fabric.launch()

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import core
+import core.compat
 
 IMPLEMENTATIONS = ["core", pytest.param("lightning", marks=pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None, reason="lightning is not installed (the bench extra)"))]
@@ -20,7 +21,7 @@ IMPLEMENTATIONS = ["core", pytest.param("lightning", marks=pytest.mark.skipif(
 @pytest.fixture(params=IMPLEMENTATIONS)
 def Fabric(request):
     if request.param == "core":
-        return core.Fabric
+        return core.compat.Fabric
     import lightning
     return lightning.Fabric
 
@@ -133,7 +134,7 @@ def test_a_checkpoint_opens_with_torch_load_by_the_users_own_keys(Fabric, tmp_pa
 def test_checkpoints_move_between_core_and_lightning(tmp_path):
     import lightning
 
-    for writer, reader in ((core.Fabric, lightning.Fabric), (lightning.Fabric, core.Fabric)):
+    for writer, reader in ((core.compat.Fabric, lightning.Fabric), (lightning.Fabric, core.compat.Fabric)):
         torch.manual_seed(0)
         source = writer(accelerator="cpu")
         model = source.setup_module(nn.Linear(3, 2))
@@ -225,11 +226,11 @@ def test_lightnings_strategy_names_are_known(Fabric, name):
 
 
 def test_lightnings_strategy_names_mean_what_they_say():
-    strategy = lambda name, devices=2: core.Fabric(accelerator="cpu", strategy=name, devices=devices).strategy  # noqa
+    strategy = lambda name, devices=2: core.compat.Fabric(accelerator="cpu", strategy=name, devices=devices).strategy  # noqa
     assert strategy("ddp_fork").start_method == strategy("ddp_notebook").start_method == "fork"
     assert strategy("ddp_spawn").start_method == "spawn"
     assert strategy("ddp_find_unused_parameters_true").options == {"find_unused_parameters": True}
-    assert isinstance(strategy("dp", 1), core.strategies.DataParallel)
+    assert isinstance(strategy("dp", 1), core.compat.dp.DataParallel)
 
 
 def _rank_and_world(fabric):
@@ -238,7 +239,7 @@ def _rank_and_world(fabric):
 
 @pytest.mark.multiprocess
 def test_ddp_fork_starts_its_processes_by_fork():
-    assert core.Fabric(accelerator="cpu", strategy="ddp_fork", devices=2).launch(_rank_and_world) == (0, 2)
+    assert core.compat.Fabric(accelerator="cpu", strategy="ddp_fork", devices=2).launch(_rank_and_world) == (0, 2)
 
 
 def _setup_a_lightning_module(fabric):
@@ -351,7 +352,7 @@ def test_launch_refuses_a_function_it_cannot_call_before_starting_anything(Fabri
 def test_an_optimizer_over_a_free_parameter_is_refused_with_the_fix():
     """A difference from Lightning, listed in docs/core.md: Lightning trains a free parameter (and under DDP lets
     its ranks drift apart); core refuses before the first step and says to register it on the model."""
-    fabric = core.Fabric(accelerator="cpu")
+    fabric = core.compat.Fabric(accelerator="cpu")
     model, log_alpha = nn.Linear(2, 1), nn.Parameter(torch.zeros(1))
     with pytest.raises(ValueError, match=r"register a free nn.Parameter on the model before setup"):
         fabric.setup(model, torch.optim.Adam([*model.parameters(), log_alpha]))

@@ -1,24 +1,97 @@
-"""What Fabric offers for Lightning Fabric's users beyond what a training step needs: callbacks and loggers
-(`fabric.call`, `fabric.log`), a LightningModule's link to its Fabric, `rank_zero_first`, `init_module` and
-`init_tensor`, `load_raw`, `fabric.accelerator` and `Fabric.seed_everything`. The workloads use none of them;
-`Fabric` inherits them from `Conveniences`, which works on the Fabric's own strategy, precision and lists.
-(`fabric run`'s environment variables are read in `core/launcher/environment.py`.)"""
+"""`core.compat.Fabric`: core's Fabric with what Lightning Fabric offers beyond a training step, for scripts ported
+from Lightning: callbacks and loggers (`fabric.call`, `fabric.log`), a LightningModule's link to its Fabric,
+`fabric run`'s environment, Lightning's other strategy names (ddp_spawn, ddp_fork, ddp_notebook,
+ddp_find_unused_parameters_true, dp), `rank_zero_first`, `init_module` and `init_tensor`, `load_raw`,
+`save(filter=)`, `fabric.accelerator` and `Fabric.seed_everything`. The workloads use none of it: they run on
+`core.Fabric` (core/fabric.py), which this class extends and does not change.
+
+    from core.compat import Fabric          # where the script had `from lightning.fabric import Fabric`
+"""
 import os
+import weakref
+from collections import ChainMap
 from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import nn
 
-from core import checkpoint, validation
-from core.precision import map_nested
+from core import checkpoint, fabric, launcher, validation
+from core.compat import environment
+from core.compat.spawn import DDPSpawn, spawn
+from core.nested import map_nested
 from core.seed import seed_everything
-from core.wrappers import FabricModule, SkipInit
+from core.state import restore
+from core.strategies import STRATEGIES, DDP
+from core.wrappers import FabricModule
+
+# Lightning's other names, for ported scripts (the training scripts' --strategy does not offer them)
+LIGHTNING_STRATEGIES = {
+    "ddp_spawn": (DDPSpawn, {}),
+    "ddp_fork": (DDPSpawn, {"start_method": "fork"}),
+    "ddp_notebook": (DDPSpawn, {"start_method": "fork"}),
+    "ddp_find_unused_parameters_true": (DDP, {"find_unused_parameters": True}),
+    "dp": ("core.compat.dp:DataParallel", {}),
+}
 
 
-class Conveniences:
-    """Mixed into Fabric: every method here uses `_strategy`, `_precision`, `_callbacks`, `_loggers` and
-    `_module_of`, which Fabric sets."""
+class Fabric(fabric.Fabric):
+    """core.Fabric, and Lightning Fabric's surface beyond a training step.
 
+    Args (each of the first five, when not given, is read from the environment that Lightning's `fabric run`
+    sets, LT_ACCELERATOR ... LT_PRECISION, else takes core.Fabric's default):
+        accelerator, strategy, devices, num_nodes, precision: as for core.Fabric; strategy also takes
+            LIGHTNING_STRATEGIES' names.
+        plugins: refused (Lightning's plugins have no counterpart here), with what to use instead.
+        callbacks: objects (or one) whose methods `fabric.call(name, ...)` calls.
+        loggers: loggers (or one) that `fabric.log` and `fabric.log_dict` write to, e.g. core.compat.CSVLogger.
+        **strategy_options: as for core.Fabric.
+    """
+
+    strategies = ChainMap(LIGHTNING_STRATEGIES, STRATEGIES)  # a view: register_strategy's names show here too
+
+    def __init__(self, accelerator: str | None = None, strategy: str | None = None, devices=None,
+                 num_nodes: int | None = None, precision=None, plugins=None, callbacks=None, loggers=None,
+                 **strategy_options):
+        if plugins is not None:
+            raise ValueError("core takes no plugins: precision is chosen by name (precision='bf16-mixed'), the "
+                             "cluster environment is read from torchrun or SLURM, and checkpoints are core's own.")
+        super().__init__(accelerator=environment.from_cli("accelerator", accelerator, "auto"),
+                         strategy=environment.from_cli("strategy", strategy, "auto"),
+                         devices=environment.from_cli("devices", devices, "auto"),
+                         num_nodes=environment.from_cli("num_nodes", num_nodes, 1),
+                         precision=environment.from_cli("precision", precision, "32-true"), **strategy_options)
+        self._callbacks = _as_list(callbacks)
+        self._loggers = _as_list(loggers)
+        if environment.started_by_cli():  # `fabric run` started every process: connect them now, as Lightning does
+            if self._strategy.distributed:
+                self._start_distributed(launcher.start(self._devices, self._num_nodes))
+            self._launched = True
+
+    def __getstate__(self):  # ddp_spawn sends the Fabric to new processes; weak sets do not pickle
+        state = self.__dict__.copy()
+        state["_set_up_modules"] = state["_set_up_optimizers"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._set_up_modules, self._set_up_optimizers = weakref.WeakSet(), weakref.WeakSet()
+
+    def launch(self, fn=fabric._NO_FUNCTION, *args, **kwargs):
+        """As core.Fabric.launch; under ddp_spawn (and ddp_fork, ddp_notebook), `fn` runs in new processes."""
+        if fn is not fabric._NO_FUNCTION:
+            validation.check_launch_function(fn, args, kwargs)
+        if environment.started_by_cli():
+            raise RuntimeError("This script was started by `fabric run`, which started every process already; "
+                               "remove the fabric.launch() call (or run the script with python instead).")
+        if not isinstance(self._strategy, DDPSpawn) or self._launched:
+            return super().launch(fn, *args, **kwargs)
+        if fn is fabric._NO_FUNCTION:
+            raise ValueError(f"strategy={self._strategy.name!r} runs a function in new processes: call "
+                             f"fabric.launch(fn).")
+        self._launched = True
+        return spawn(fn, self._devices, self, args, kwargs)
+
+    # --- callbacks and a LightningModule's link ----------------------------------------------------
     def _after_setup(self, module: nn.Module, wrapped: FabricModule, optimizers: list | None) -> None:
         """As Lightning: a LightningModule learns its Fabric (its `self.fabric`, `self.log`, `self.logger` work)
         and becomes a callback; after `setup` (not setup_module), every callback's `on_after_setup(fabric=,
@@ -32,20 +105,33 @@ class Conveniences:
         if optimizers is not None:
             self.call("on_after_setup", fabric=self, module=wrapped)
 
-    @contextmanager
-    def rank_zero_first(self, local: bool = False):
-        """Run the block on rank 0 (each node's local rank 0 with `local=True`) first, then on the other ranks,
-        e.g. a download into a shared directory. The others wait up to CORE_RANK_ZERO_FIRST_TIMEOUT seconds
-        (4 hours)."""
-        first = (self.local_rank if local else self.global_rank) == 0
-        timeout = float(os.environ.get("CORE_RANK_ZERO_FIRST_TIMEOUT", 4 * 3600))  # a download may take hours
-        if not first:
-            self._strategy.barrier(timeout)
-        yield
-        if first:
-            self._strategy.barrier(timeout)
+    def _step_function(self, optimizer, module: FabricModule):
+        """core's step, then each callback's `on_after_optimizer_step(strategy=, optimizer=)` (Lightning's hook)."""
+        step, callbacks, strategy = super()._step_function(optimizer, module), self._callbacks, self._strategy
+        if not callbacks and not hasattr(module.module, "_fabric"):  # the list may grow: a LightningModule set up later
+            return step
 
-    # --- loggers and callbacks ---------------------------------------------------------------------
+        def step_and_call(closure=None):
+            output = step() if closure is None else step(closure)
+            for callback in callbacks:
+                hook = getattr(callback, "on_after_optimizer_step", None)
+                if callable(hook):
+                    hook(strategy=strategy, optimizer=optimizer)
+            return output
+        return step_and_call
+
+    def call(self, hook_name: str, *args, **kwargs) -> None:
+        """Call `hook_name(*args, **kwargs)` on every callback that has it; keyword arguments a callback's
+        method does not take are left out for that callback."""
+        for callback in self._callbacks:
+            method = getattr(callback, hook_name, None)
+            if method is None:
+                continue
+            if not callable(method):
+                raise TypeError(f"Callback {type(callback).__name__}.{hook_name} is not callable.")
+            method(*args, **validation.accepted_kwargs(method, kwargs))
+
+    # --- loggers -----------------------------------------------------------------------------------
     @property
     def loggers(self) -> list:
         return self._loggers
@@ -64,16 +150,19 @@ class Conveniences:
         for logger in self._loggers:
             logger.log_metrics(metrics=metrics, step=step)
 
-    def call(self, hook_name: str, *args, **kwargs) -> None:
-        """Call `hook_name(*args, **kwargs)` on every callback that has it; keyword arguments a callback's
-        method does not take are left out for that callback."""
-        for callback in self._callbacks:
-            method = getattr(callback, hook_name, None)
-            if method is None:
-                continue
-            if not callable(method):
-                raise TypeError(f"Callback {type(callback).__name__}.{hook_name} is not callable.")
-            method(*args, **validation.accepted_kwargs(method, kwargs))
+    # --- the rest of Lightning's surface -----------------------------------------------------------
+    @contextmanager
+    def rank_zero_first(self, local: bool = False):
+        """Run the block on rank 0 (each node's local rank 0 with `local=True`) first, then on the other ranks,
+        e.g. a download into a shared directory. The others wait up to CORE_RANK_ZERO_FIRST_TIMEOUT seconds
+        (4 hours)."""
+        first = (self.local_rank if local else self.global_rank) == 0
+        timeout = float(os.environ.get("CORE_RANK_ZERO_FIRST_TIMEOUT", 4 * 3600))  # a download may take hours
+        if not first:
+            self._strategy.barrier(timeout)
+        yield
+        if first:
+            self._strategy.barrier(timeout)
 
     @property
     def accelerator(self) -> "Accelerator":
@@ -85,12 +174,20 @@ class Conveniences:
         default, where the module-level function's is False)."""
         return seed_everything(seed, workers=True if workers is None else workers, verbose=verbose)
 
+    def save(self, path, state: dict, filter: dict | None = None) -> None:
+        """As core.Fabric.save; `filter` ({key: fn(name, value) -> bool}) keeps only the entries of that key's
+        state dict for which fn is True (Lightning's argument)."""
+        collected = self._collect(state)
+        if filter is not None:
+            collected = _apply_filter(collected, filter, self._strategy.name)
+        self._strategy.save_checkpoint(path, collected)
+
     def load_raw(self, path, obj, strict: bool = True, weights_only: bool | None = None) -> None:
         """Load a bare state dict saved with `torch.save(module.state_dict())` (or an optimizer's) into a
         module or optimizer, set up or not. `weights_only`: as for load."""
         with checkpoint.trusted(weights_only is False):
             raw = checkpoint.load_checkpoint(path, raw=True)
-        checkpoint.restore({"obj": raw}, {"obj": obj}, self._strategy, self._precision, self._module_of, path, strict,
+        restore({"obj": raw}, {"obj": obj}, self._strategy, self._precision, self._module_of, path, strict,
                            raw=True)
 
     @contextmanager
@@ -100,7 +197,6 @@ class Conveniences:
         with self.device, self._precision.init_context():
             yield
 
-    # --- building models --------------------------------------------------------------------------------
     @contextmanager
     def init_module(self, empty_init: bool | None = None):
         """Create modules inside this block directly on the device and, for the *-true precisions, in their
@@ -115,7 +211,6 @@ class Conveniences:
             if empty_init and device.type != "meta":
                 stack.enter_context(SkipInit())
             yield
-
 
 
 class Accelerator:
@@ -135,6 +230,40 @@ class Accelerator:
         return f"Accelerator({self.name!r})"
 
 
+class SkipInit(torch.overrides.TorchFunctionMode):
+    """Within: torch.nn.init functions leave tensors as they are (uninitialised), for weights that a
+    checkpoint will overwrite (init_module(empty_init=True))."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs.get("tensor")
+        return func(*args, **(kwargs or {}))
+
+
+def _apply_filter(collected: dict, filter: dict, strategy: str) -> dict:
+    """save's `filter`, as Lightning applies it: to the entries of each filtered key's state dict (an optimizer's:
+    to its state dict's own entries)."""
+    if not isinstance(filter, dict):
+        raise TypeError(f"filter must be a dict of {{state key: callable}}, got {filter!r}.")
+    unknown = set(filter) - set(collected)
+    if unknown:
+        raise ValueError(f"The filter keys {sorted(unknown)} are not keys of the state ({sorted(collected)}).")
+    out = dict(collected)
+    for key, keep in filter.items():
+        if not callable(keep):
+            raise TypeError(f"filter[{key!r}] must be a callable (name, value) -> bool, got {keep!r}.")
+        value = collected[key]
+        entries = value["optimizer"] if checkpoint.is_optimizer_entry(value) else value
+        if isinstance(entries, nn.Module):  # a DeepSpeed engine writes it whole, in save_checkpoint
+            raise TypeError(f"strategy={strategy!r} saves {key!r} through DeepSpeed's engine, which takes no "
+                            f"filter; save without it.")
+        if not isinstance(entries, dict):
+            continue
+        kept = {k: v for k, v in entries.items() if keep(k, v)}
+        out[key] = {**value, "optimizer": kept} if entries is not value else kept
+    return out
+
+
 def _number(value):
     """A logged value as a number: a one-element tensor's item; a larger tensor is refused, as Lightning does."""
     if not isinstance(value, torch.Tensor):
@@ -144,3 +273,7 @@ def _number(value):
                          f"{tuple(value.shape)}: log a reduction of it (`.mean()`), or each element under its own "
                          f"name.")
     return value.item()
+
+
+def _as_list(items) -> list:
+    return [] if items is None else list(items) if isinstance(items, (list, tuple)) else [items]

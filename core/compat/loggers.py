@@ -1,4 +1,4 @@
-"""Loggers for `Fabric(loggers=...)`: `fabric.log_dict(metrics, step)` calls `log_metrics` on each.
+"""Loggers for core.compat's `Fabric(loggers=...)`: `fabric.log_dict(metrics, step)` calls `log_metrics` on each.
 
 Both write on rank 0 only and follow Lightning's logger interface (`log_metrics`, `log_hyperparams`,
 `save`, `finalize`, `log_dir`), so a Lightning logger can stand in for either, and these for Lightning's.
@@ -6,7 +6,6 @@ Both write on rank 0 only and follow Lightning's logger interface (`log_metrics`
     fabric = Fabric(loggers=[CSVLogger("runs/exp"), TensorBoardLogger("runs/exp")])
     fabric.log_dict({"loss": loss}, step=step)
 """
-import atexit
 import csv
 import os
 from pathlib import Path
@@ -21,27 +20,28 @@ def _is_rank_zero() -> bool:
 
 class CSVLogger:
     """`root_dir/metrics.csv`: one row per `log_metrics` call, a `step` column and one column per metric
-    name seen so far. Rows are appended every `flush_every` calls and at the end; the file is rewritten only
+    name seen so far. Each row is appended as it is logged; the file is rewritten (atomically, from itself) only
     when a new metric name widens the header. `start_step`: the step a resumed run continues from; the rows
     of an earlier file up to it are kept, the later ones (logged after that checkpoint) dropped. Without it,
     an earlier file is continued as it is."""
 
-    def __init__(self, root_dir, flush_every: int = 100, start_step: int | None = None):
+    def __init__(self, root_dir, start_step: int | None = None):
         self.log_dir = Path(root_dir)
         self.path = self.log_dir / "metrics.csv"
-        self.flush_every, self.start_step = flush_every, start_step
-        self._rows, self._columns = [], ["step"]
-        self._written, self._written_columns = 0, None  # rows in the file, and its header
-        self._opened = False  # whether an existing file has been read
-        atexit.register(self.save)  # rows logged since the last flush are written when the script ends
+        self.start_step = start_step
+        self._columns = None  # the file's header, read when the first row is written
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         if not _is_rank_zero():
             return
-        self._rows.append({"step": step, **metrics})
-        self._columns += [name for name in metrics if name not in self._columns]
-        if len(self._rows) - self._written >= self.flush_every:
-            self.save()
+        row = {"step": step, **metrics}
+        if self._columns is None:
+            self._open()
+        new = [name for name in row if name not in self._columns]
+        if new or not self.path.exists():
+            self._rewrite(self._read_rows(), self._columns + new)
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self._columns).writerow(row)
 
     def log_hyperparams(self, params: dict) -> None:
         if _is_rank_zero():
@@ -50,38 +50,37 @@ class CSVLogger:
                 csv.writer(f).writerows(sorted(params.items()))
 
     def save(self) -> None:
-        if not _is_rank_zero() or (self._opened and self._written == len(self._rows)):
-            return
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        if not self._opened:
-            self._opened = True
-            self._take_in_existing_rows()
-        if self._written_columns == self._columns:  # the header holds: append the new rows
-            with open(self.path, "a", newline="") as f:
-                csv.DictWriter(f, fieldnames=self._columns).writerows(self._rows[self._written:])
-        else:
-            def write(f):
-                writer = csv.DictWriter(f, fieldnames=self._columns)
-                writer.writeheader()
-                writer.writerows(self._rows)
-            atomic_write(self.path, write, mode="w")
-            self._written_columns = list(self._columns)
-        self._written = len(self._rows)
+        """Every row is in the file as soon as it is logged: nothing to write."""
 
     def finalize(self, status: str = "success") -> None:
-        self.save()
+        pass
 
-    def _take_in_existing_rows(self) -> None:
+    def _open(self) -> None:
+        """Take over an earlier file: its header, and with `start_step` only its rows up to that step."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        rows = self._read_rows()
+        self._columns = list(rows[0]) if rows else ["step"]
+        if self.path.exists():
+            with open(self.path, newline="") as f:
+                self._columns = next(csv.reader(f), None) or ["step"]
+        if self.start_step is not None and rows:
+            kept = [row for row in rows if not row.get("step", "").isdigit() or int(row["step"]) <= self.start_step]
+            if len(kept) < len(rows):
+                self._rewrite(kept, self._columns)
+
+    def _read_rows(self) -> list[dict]:
         if not self.path.exists():
-            return
+            return []
         with open(self.path, newline="") as f:
-            reader = csv.DictReader(f)
-            rows, columns = list(reader), list(reader.fieldnames or [])
-        if self.start_step is not None:
-            rows = [row for row in rows if not row.get("step", "").isdigit() or int(row["step"]) <= self.start_step]
-        self._rows = rows + self._rows
-        self._columns = columns + [name for name in self._columns if name not in columns]
-        self._written, self._written_columns = 0, None  # rewrite once with the kept rows
+            return list(csv.DictReader(f))
+
+    def _rewrite(self, rows: list[dict], columns: list[str]) -> None:
+        def write(f):
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        atomic_write(self.path, write, mode="w")
+        self._columns = columns
 
 
 class TensorBoardLogger:

@@ -1,5 +1,5 @@
-"""Where this process stands: the ranks an outside launcher (torchrun, SLURM) or Lightning's `fabric run` gave
-it, and how many threads each process of a run on this machine gets."""
+"""Where this process stands: the ranks an outside launcher (torchrun, SLURM) gave it, and how many threads each
+process of a run on this machine gets."""
 import os
 import sys
 
@@ -32,25 +32,6 @@ def _first_slurm_host(nodelist: str) -> str:
         prefix, ranges = first.split("[", 1)
         first = prefix + ranges.split("-")[0].split(",")[0].rstrip("]")
     return first
-
-
-def started_by_cli() -> bool:
-    """True when Lightning's `fabric run` started this process (it sets LT_CLI_USED=1 and starts the ranks)."""
-    return os.environ.get("LT_CLI_USED") == "1"
-
-
-def from_cli(name: str, given, default):
-    """A Fabric argument: as given, else from `fabric run`'s environment (LT_<NAME>), else `default`. A value
-    given in the code that contradicts `fabric run`'s command line is an error, not a silent choice of one."""
-    value = os.environ.get(f"LT_{name.upper()}")
-    if given is not None and str(given) == str(default) and started_by_cli():
-        given = None  # under `fabric run`, the default written out does not contradict the command line
-    if value is None or (given is not None and not started_by_cli()):
-        return default if given is None else given
-    if given is not None and str(given) != value:
-        raise ValueError(f"The code has Fabric({name}={given!r}) but the command line gives --{name.replace('_', '-')}="
-                         f"{value}. Remove one of them.")
-    return value
 
 
 def _usable_cores() -> int:

@@ -1,14 +1,12 @@
-"""Starting the processes of a run: none under torchrun or SLURM; the script re-run for ranks 1..N-1 (ddp,
-fsdp, deepspeed); or a function in N new processes through torch.multiprocessing (ddp_spawn)."""
+"""Starting the processes of a run: none under torchrun or SLURM; else the script re-run for ranks 1..N-1 (ddp,
+fsdp, deepspeed). (ddp_spawn's function in N new processes is the Lightning drop-in's: core/compat/spawn.py.)"""
 import os
-import signal
 import subprocess
 import sys
 
-import torch
 
 from core.launcher import children, stores
-from core.launcher.environment import cluster_environment, set_threads, threads_per_process
+from core.launcher.environment import cluster_environment, set_threads
 
 
 def start(devices: int, num_nodes: int) -> dict:
@@ -66,46 +64,3 @@ def rerun_for_other_ranks(num_processes: int) -> dict:
         ranks[rank] = subprocess.Popen(command, env=env)
     children.watch(ranks)
     return cluster_environment()
-
-
-def spawn(fn, num_processes: int, fabric, args, kwargs):
-    """strategy='ddp_spawn': run fn(fabric, *args) in N new processes and return rank 0's result."""
-    import torch.multiprocessing as mp
-
-    method = getattr(fabric.strategy, "start_method", "spawn")
-    port = stores.host_store(num_processes)  # held by this process, which is no rank: every rank is a client of it
-    queue = mp.get_context(method).SimpleQueue()
-    threads = threads_per_process(num_processes)
-    context = mp.start_processes(_spawned, args=(fn, num_processes, port, threads, fabric, args, kwargs, queue),
-                                 nprocs=num_processes, join=False, start_method=method)
-    try:
-        while not context.join():
-            pass
-    except mp.ProcessRaisedException as error:
-        raise RuntimeError(f"rank {error.error_index} failed:\n{error}") from None
-    except mp.ProcessExitedException as error:
-        raise RuntimeError(f"rank {error.error_index} exited with code {error.exit_code}"
-                           f"{' (' + signal.Signals(-error.exit_code).name + ')' if error.exit_code < 0 else ''}; "
-                           f"the other ranks were stopped.") from None
-    finally:
-        stores.release()
-    return queue.get() if not queue.empty() else None
-
-
-def _spawned(rank, fn, num_processes, port, threads, fabric, args, kwargs, queue):
-    # The process ends with os._exit once its work is done: gloo's threads can abort the interpreter's
-    # normal shutdown ("terminate called without an active exception"), which would fail a good run.
-    stores.release()  # a forked rank's copy of the parent's server: this rank is a client (own_store)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(num_processes),
-                      LOCAL_WORLD_SIZE=str(num_processes), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
-                      CORE_STORE_CLIENT="1")
-    torch.set_num_threads(threads)
-    fabric._start_distributed(cluster_environment())
-    result = fn(fabric, *args, **kwargs)
-    if rank == 0:
-        queue.put(result)
-    fabric.barrier()
-    fabric._strategy.teardown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

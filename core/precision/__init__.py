@@ -12,7 +12,7 @@ PRECISIONS maps each name to its class; a new mode is one class and one entry he
 """
 import torch
 
-from core.precision.base import Precision, cast_floats, map_nested  # noqa: F401
+from core.precision.base import Precision, cast_floats  # noqa: F401
 from core.precision.mixed import BFloat16Mixed, Float16Mixed
 from core.precision.true import BFloat16True, Float16True, Float64True
 

@@ -10,16 +10,7 @@ from contextlib import nullcontext
 
 import torch
 
-
-def map_nested(data, fn):
-    """`fn` applied to every leaf inside nested lists, tuples (named ones too) and dicts, structure kept.
-    (torch.utils._pytree does this too, but is private and ~6x slower on a forward's (args, kwargs).)"""
-    if isinstance(data, (list, tuple)):
-        mapped = [map_nested(item, fn) for item in data]
-        return type(data)(*mapped) if hasattr(data, "_fields") else type(data)(mapped)
-    if isinstance(data, dict):
-        return {key: map_nested(value, fn) for key, value in data.items()}
-    return fn(data)
+from core.nested import map_nested
 
 
 def cast_floats(data, dtype):

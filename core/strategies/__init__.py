@@ -3,32 +3,26 @@
 | name | class | file |
 | --- | --- | --- |
 | single | SingleDevice | `single.py` (the base: one process, one device) |
-| ddp, ddp_spawn, ddp_fork, ... | DDP, DDPSpawn | `ddp.py` (the process group and the collectives) |
-| dp | DataParallel | `dp.py` |
+| ddp | DDP | `ddp.py` (the process group and the collectives) |
 | fsdp | FSDP | `fsdp.py` (FSDP2, imported when chosen) |
 | deepspeed, deepspeed_stage_* | DeepSpeed | `deepspeed.py` (imported when chosen) |
 
 STRATEGIES maps each name to its class and the options it is made with; a new strategy is one file and one
-entry there, or `register_strategy(name, cls, **options)` from outside core.
+entry there, or `register_strategy(name, cls, **options)` from outside core. Lightning's other names
+(ddp_spawn, ddp_fork, ddp_notebook, ddp_find_unused_parameters_true, dp) are the drop-in's: `core/compat/`.
 """
 import importlib
 import inspect
 
 import torch
 
-from core.strategies.ddp import DDP, DDPSpawn
-from core.strategies.dp import DataParallel
+from core.strategies.ddp import DDP
 from core.strategies.single import SingleDevice
 
 # name -> (class or "module:Class", options it is made with); the module is imported when the name is chosen
 STRATEGIES = {
     "single": (SingleDevice, {}),
     "ddp": (DDP, {}),
-    "ddp_spawn": (DDPSpawn, {}),
-    "ddp_fork": (DDPSpawn, {"start_method": "fork"}),
-    "ddp_notebook": (DDPSpawn, {"start_method": "fork"}),
-    "ddp_find_unused_parameters_true": (DDP, {"find_unused_parameters": True}),
-    "dp": (DataParallel, {}),
     "fsdp": ("core.strategies.fsdp:FSDP", {}),
     "deepspeed": ("core.strategies.deepspeed:DeepSpeed", {"stage": None}),  # the stage from the config, else 2
     "deepspeed_stage_1": ("core.strategies.deepspeed:DeepSpeed", {"stage": 1}),
@@ -37,10 +31,6 @@ STRATEGIES = {
     "deepspeed_stage_2_offload": ("core.strategies.deepspeed:DeepSpeed", {"stage": 2, "offload": True}),
     "deepspeed_stage_3_offload": ("core.strategies.deepspeed:DeepSpeed", {"stage": 3, "offload": True}),
 }
-
-
-# Lightning's other names, for ported scripts (the training scripts' --strategy does not offer them)
-LIGHTNING_NAMES = ("ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true", "dp")
 
 
 def register_strategy(name: str, strategy, **options) -> None:
@@ -54,10 +44,9 @@ def register_strategy(name: str, strategy, **options) -> None:
     STRATEGIES[name] = (strategy, options)
 
 
-def make_strategy(name: str, device: torch.device, precision, user_options: dict) -> SingleDevice:
-    if name not in STRATEGIES:
-        raise ValueError(f"Unknown strategy {name!r}. Choose one of: {', '.join(['auto', *STRATEGIES])}.")
-    cls, options = STRATEGIES[name]
+def make_strategy(name: str, device: torch.device, precision, user_options: dict, strategies=STRATEGIES):
+    """The strategy `strategies[name]` names, made for `device` and `precision` with the user's options."""
+    cls, options = strategies[name]
     if isinstance(cls, str):
         module, _, class_name = cls.partition(":")
         cls = getattr(importlib.import_module(module), class_name)

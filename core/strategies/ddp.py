@@ -1,5 +1,5 @@
-"""DistributedDataParallel: gloo on CPU, NCCL on CUDA; `DDPSpawn` runs it in processes started by
-`fabric.launch(fn)`. Also the process group's set-up and core's collectives, which fsdp and deepspeed inherit."""
+"""DistributedDataParallel: gloo on CPU, NCCL on CUDA. Also the process group's set-up and core's collectives,
+which fsdp and deepspeed inherit."""
 import inspect
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -166,15 +166,3 @@ class _GatherWithGradients(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad[dist.get_rank(ctx.group)], None
-
-
-class DDPSpawn(DDP):
-    """DDP in processes started by `fabric.launch(fn)` through torch.multiprocessing (`start_method` "fork" for
-    ddp_fork and ddp_notebook, as Lightning names them: fork works from a notebook, where spawn cannot import
-    the function)."""
-
-    spawn = True
-
-    def __init__(self, device, precision, start_method: str = "spawn", **options):
-        super().__init__(device, precision, **options)
-        self.start_method = start_method

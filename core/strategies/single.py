@@ -13,7 +13,6 @@ class SingleDevice:
 
     name = "single"  # its registry name, set by make_strategy before __init__
     distributed = False
-    spawn = False  # True: launch(fn) runs fn in new processes instead of re-running the script
     joint_setup = False  # DeepSpeed needs model and optimizers together
     guard_submodules = False  # a wrapper that syncs gradients, which a child called directly would skip
     moves_module = True  # False where the engine places the module itself
