@@ -1,9 +1,9 @@
 """Configuration: one dataclass per workload, turned into an argparse parser with help on every flag.
 
 Fields become kebab-case flags (`max_steps` -> `--max-steps`); `metadata={"help": ..., "choices": ...}`
-gives the help text and allowed values; booleans become `--flag/--no-flag`. A workload that refuses some
-choices of a shared flag names them in `refused_choices` (prefixes), so `--help` does not offer them. Misuse
-exits with status 2 and one line: `python -m gan.train: error: ...`.
+gives the help text and allowed values; booleans become `--flag/--no-flag`. (A strategy that cannot run a
+workload is refused by core, from what the workload's `needs()` says, with the reason.) Misuse exits
+with status 2 and one line: `python -m gan.train: error: ...`.
 """
 import argparse
 import dataclasses
@@ -52,16 +52,11 @@ def merge(*config_classes):
 def parse(config_class, argv=None, prog=None, description=None):
     """Parse argv into a `config_class`; call its `check()` (if any) and turn ValueError into exit 2."""
     parser = _Parser(prog=prog, description=description, formatter_class=_HelpFormatter)
-    refused = getattr(config_class, "refused_choices", {})
     for f in dataclasses.fields(config_class):
         name = "--" + f.name.replace("_", "-")
         kwargs = {"default": f.default, "help": f.metadata.get("help", "")}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
-            if f.name in refused:  # still accepted, so that check() can say why it is refused
-                offered = [c for c in kwargs["choices"] if not str(c).startswith(refused[f.name])]
-                kwargs["metavar"] = "{" + ",".join(map(str, offered)) + "}"
-                kwargs["help"] += f"; not with this workload: {', '.join(p + '*' for p in refused[f.name])}"
         if f.type in (bool, "bool"):
             parser.add_argument(name, action=argparse.BooleanOptionalAction, **kwargs)
             continue

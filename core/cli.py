@@ -8,7 +8,7 @@ import torch
 
 from core import checkpoint, launcher
 from core.precision import PRECISIONS
-from core.strategies import STRATEGIES, SingleDevice, check_installed
+from core.strategies import NEEDS, STRATEGIES, SingleDevice, check_installed, refusal
 from core.validation import ACCELERATORS, check_devices, device_kind, resolve_arguments
 
 
@@ -52,6 +52,11 @@ class FabricFlags:
             raise ValueError(f"--num-nodes {self.num_nodes} needs a launcher on every machine: run torchrun --nnodes "
                              f"{self.num_nodes} --nproc-per-node N --node-rank R --master-addr HOST -m ... on each "
                              f"(or srun under SLURM)")
+        if self.strategy != "auto":  # auto is single or ddp, which give every need
+            reason = refusal(self.strategy, self.precision, self.needs())
+            if reason:
+                needed = "; ".join(NEEDS[need] for need in sorted(self.needs()))
+                raise ValueError(f"--strategy {self.strategy} cannot run this workload, which needs {needed}: {reason}")
         if self.collective_timeout <= 0:
             raise ValueError(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout:g}")
         if self.precision in ("16-mixed", "16") and device_kind(self.accelerator) == "cpu" and \
@@ -59,6 +64,11 @@ class FabricFlags:
             print("[core] --precision 16-mixed on the CPU: float16 autocast with a loss scaler, about 15x slower "
                   "than 32-true here (the CPU's kernels are float32 and bfloat16); --precision bf16-mixed is the "
                   "CPU's mixed precision.", file=sys.stderr, flush=True)
+
+    def needs(self) -> set[str]:
+        """What the workload needs of every strategy (core.strategies.NEEDS); its Config says, where it needs any."""
+        parent = getattr(super(), "needs", None)
+        return set(parent()) if parent is not None else set()
 
     @staticmethod
     def recover_checkpoint(path) -> None:
@@ -76,7 +86,6 @@ class FabricFlags:
         strategy = resolve_arguments(*list(options.values())[:4])[1]  # "auto" as Fabric resolves it
         if STRATEGIES[strategy][0] is not SingleDevice:  # one process has no collective to wait in
             options["timeout"] = self.collective_timeout
-        workload_config = getattr(self, "deepspeed_config", lambda: None)()  # a workload's needs, if it has any
-        if workload_config and strategy.startswith("deepspeed"):
-            options["config"] = workload_config
+        if self.needs():
+            options["needs"] = self.needs()
         return options

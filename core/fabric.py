@@ -40,6 +40,9 @@ class Fabric:
         num_nodes: machines (default 1); more than one needs torchrun or SLURM to start the processes.
         precision: a name in core.precision.PRECISIONS ("32-true", the default, "bf16-mixed", "16-mixed",
             "bf16-true", "16-true", "64-true") or one of Lightning's aliases ("bf16", "16", 32, ...).
+        needs: what the script needs of every strategy (names in core.strategies.NEEDS: "second_backward",
+            "weights_outside_forward"); a strategy that cannot give one refuses here with the reason, and one
+            that can prepares for it (DeepSpeed ZeRO-2 keeps its gradients apart for a second backward).
         **strategy_options: defaults for the strategy, e.g. find_unused_parameters=True for ddp,
             reshard_after_forward=False for fsdp, config=dict-or-json-path for deepspeed.
 
@@ -50,7 +53,7 @@ class Fabric:
     strategies = STRATEGIES  # the names this Fabric builds strategies from
 
     def __init__(self, accelerator: str = "auto", strategy: str = "auto", devices="auto", num_nodes: int = 1,
-                 precision="32-true", **strategy_options):
+                 precision="32-true", needs=(), **strategy_options):
         drop_in = [name for name in _DROP_IN if name in strategy_options]
         if drop_in:
             raise TypeError(f"Fabric({drop_in[0]}=...) is Lightning Fabric's, which core offers as a layer of its "
@@ -61,7 +64,7 @@ class Fabric:
         self._devices, self._num_nodes = devices, num_nodes
         device = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
         self._strategy = make_strategy(strategy, device, make_precision(precision, device), strategy_options,
-                                       self.strategies)
+                                       self.strategies, needs)
         self._precision = self._strategy.precision  # the strategy's variant of the mode
         if self._strategy.distributed:  # known before launch, as Lightning reports them
             self._strategy.world_size = devices * num_nodes

@@ -36,10 +36,10 @@ class Config(RunConfig):
     # only with that value, so an older run does not continue through a generator it was not trained with
     saved_before = {"native_size": "0", "r1_gamma": 0.0, "r1_every": 16}
 
-    def deepspeed_config(self) -> dict | None:
-        """DeepSpeed config entries the run needs (core's flags pass them under a deepspeed strategy): ZeRO-2 keeps
-        its gradients apart, so that it takes R1's second backward (core.deepspeed keep_for_second_backward)."""
-        return {"zero_optimization": {"contiguous_gradients": False}} if self.r1_gamma else None
+    def needs(self) -> set[str]:
+        """What the run needs of a strategy (core's flags pass it to Fabric, which refuses a strategy that cannot
+        give it): R1 takes a backward through the discriminator's input gradient."""
+        return {"second_backward"} if self.r1_gamma else set()
 
     def generator_native_size(self) -> int:
         """--native-size as a side in px (0: none)."""
@@ -73,12 +73,6 @@ class Config(RunConfig):
                          "--batch-size and --image-size": self.batch_size * self.image_size ** 2})
         if self.r1_gamma < 0 or self.r1_every < 1:
             raise ValueError(f"--r1-gamma must be >= 0 and --r1-every >= 1, got {self.r1_gamma} and {self.r1_every}")
-        strategy = getattr(self, "strategy", "")  # core's flags, merged in the wrapped script
-        if self.r1_gamma and strategy.startswith("deepspeed") and \
-                (strategy.startswith("deepspeed_stage_3") or getattr(self, "precision", "") in ("16-mixed", "16-true")):
-            raise ValueError("--r1-gamma takes a second backward through the discriminator, which DeepSpeed's engines "
-                             "take under ZeRO-1 and -2 in 32-true and bf16-mixed only; use one of those, or "
-                             "--strategy ddp or fsdp")
         if self.eval_every and self.dataset == "fake":
             raise ValueError("--eval-every: fake data has no classes to score against; pass --eval-every 0")
 

@@ -1,7 +1,6 @@
 """MAML's configuration, shared by both variants; defaults are the paper's sinusoid setup, with the outer
 learning rate on a cosine schedule from 5e-3 (metalearn/README.md says why)."""
 from dataclasses import dataclass
-from typing import ClassVar
 
 from common.config import RunConfig, flag, usable_cores
 from metalearn.data import TASKS
@@ -9,7 +8,6 @@ from metalearn.data import TASKS
 
 @dataclass
 class Config(RunConfig):
-    refused_choices: ClassVar[dict] = {"strategy": ("deepspeed_stage_3",)}  # check() says why; --help leaves it out
     dataset: str = flag("sinusoid", "task family (sinusoid and digits are embedded)", choices=TASKS)
     max_steps: int = flag(20000, "meta-iterations (outer optimizer steps)")
     batch_size: int = flag(25, "tasks per meta-batch, split across processes")
@@ -32,6 +30,11 @@ class Config(RunConfig):
     threads: int = flag(1, "intra-op threads per process (0: torch's default, or core's share with --devices); "
                            "one is as fast for MAML's 40-unit layers, and the figures then do not depend on the cores")
 
+    def needs(self) -> set[str]:
+        """What MAML needs of a strategy (core's flags pass it to Fabric, which refuses a strategy that cannot give
+        it): the learner reads its weights directly, to make each task's copy of them."""
+        return {"weights_outside_forward"}
+
     def check(self):
         super().check()
         if self.inner_steps < 0 or self.shots < 1 or self.queries < 1:
@@ -46,8 +49,3 @@ class Config(RunConfig):
                              self.batch_size * self.accumulate * (self.shots + self.queries),
                          "--eval-tasks, --shots and --eval-queries":
                              self.eval_tasks * (self.shots + self.eval_queries)})
-        if getattr(self, "strategy", "").startswith(self.refused_choices["strategy"]):  # the wrapped variant's flag
-            raise ValueError(
-                "MAML cannot run under DeepSpeed ZeRO-3: ZeRO-3 gathers a layer's weights only when that layer's "
-                "own forward runs, and the learner reads them directly to make each task's copy. Use --strategy "
-                "deepspeed_stage_1, deepspeed_stage_2, ddp or fsdp, which are exact.")

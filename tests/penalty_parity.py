@@ -26,11 +26,9 @@ def main():
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    # ZeRO-2 takes a second backward with its gradients kept apart (core.deepspeed keep_for_second_backward)
-    options = {"config": {"zero_optimization": {"contiguous_gradients": False}}} \
-        if args.strategy == "deepspeed_stage_2" else {}
+    # the penalty's backward runs through its gradient: said up front, so that ZeRO-2 keeps its gradients apart
     fabric = Fabric(accelerator="cpu", strategy=args.strategy, devices=args.devices, precision=args.precision,
-                    **options)
+                    needs={"second_backward"})
     fabric.launch()
     module = discriminator()
     model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.05))

@@ -31,7 +31,7 @@ from benchmarks.workloads import WORKLOADS
 from common import rundir
 from common.config import merge
 from core.cli import FabricFlags
-from core.strategies import STRATEGIES, SingleDevice
+from core.strategies import STRATEGIES, SingleDevice, refusal
 from gan.config import Config as GanConfig
 from metalearn.config import Config as MetalearnConfig
 
@@ -79,8 +79,8 @@ def left_out(module: str, name: str, value: str) -> bool:
     several GPUs; a strategy the workload refuses stays), torch.compile (tens of seconds), a download, the GAN's
     digits (its first score trains a classifier: 30 s), a long run."""
     if name == "strategy":
-        refused = getattr(CONFIGS[module.split(".")[0]], "refused_choices", {}).get(name, ())
-        return value in STRATEGIES and STRATEGIES[value][0] is not SingleDevice and not value.startswith(refused)
+        refused = value in STRATEGIES and refusal(value, "32-true", getattr(CONFIGS[module.split(".")[0]](), "needs", set)())
+        return value in STRATEGIES and STRATEGIES[value][0] is not SingleDevice and not refused
     return (value in ("--compile", "--download") or name in LONG and value == str(10**12)
             or module.startswith("gan.") and (name, value) == ("dataset", "digits")
             or (name, value) == ("devices", "auto") and torch.cuda.device_count() > 1)

@@ -70,7 +70,7 @@ def test_16_mixed_scales_the_outputs_and_unscales_the_input_gradient():
 
 @pytest.mark.parametrize("strategy, precision, reason", [
     ("deepspeed_stage_3", "32-true", "ZeRO-3's partitioned parameters fail"),
-    ("deepspeed_stage_2", "32-true", "'contiguous_gradients': False"),
+    ("deepspeed_stage_2", "32-true", r"needs=\{'second_backward'\}"),
     ("deepspeed_stage_1", "16-mixed", "use bf16-mixed or 32-true"),
     ("deepspeed_stage_1", "16-true", "use bf16-mixed or 32-true")])
 def test_deepspeed_refuses_what_its_engines_cannot_take_with_the_reason(strategy, precision, reason):
@@ -82,6 +82,23 @@ def test_deepspeed_refuses_what_its_engines_cannot_take_with_the_reason(strategy
     fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2, precision=precision)
     with pytest.raises(RuntimeError, match=reason):
         fabric.strategy.keep_for_second_backward(None, [])
+
+
+def test_a_script_that_says_it_needs_a_second_backward_gets_it_or_the_reason_before_setup():
+    pytest.importorskip("deepspeed")
+    zero2 = Fabric(accelerator="cpu", strategy="deepspeed_stage_2", devices=2, needs={"second_backward"}).strategy
+    assert zero2.config()["zero_optimization"]["contiguous_gradients"] is False
+    zero2.keep_for_second_backward(None, [])  # takes it
+    assert Fabric(accelerator="cpu", strategy="ddp", devices=2, needs={"second_backward"}).strategy.needs == \
+        {"second_backward"}
+    with pytest.raises(ValueError, match="strategy='deepspeed_stage_3' cannot give this script second_backward: "
+                                         "ZeRO-3's partitioned parameters fail"):
+        Fabric(accelerator="cpu", strategy="deepspeed_stage_3", devices=2, needs={"second_backward"})
+    with pytest.raises(ValueError, match="cannot give this script weights_outside_forward: ZeRO-3 holds each"):
+        Fabric(accelerator="cpu", strategy="deepspeed", config={"zero_optimization": {"stage": 3}}, devices=2,
+               needs={"weights_outside_forward"})
+    with pytest.raises(ValueError, match=r"Unknown needs \['gradient'\]; a script may say it needs: second_backward"):
+        Fabric(accelerator="cpu", needs={"gradient"})
 
 
 @pytest.mark.slow
@@ -113,5 +130,7 @@ def test_the_gans_r1_runs_on_the_default_data(tmp_path, strategy):
 def test_the_gan_refuses_r1_under_zero_3_with_one_line():
     result = run(["-m", "gan.train", "--r1-gamma", "1", "--strategy", "deepspeed_stage_3", "--devices", "2"],
                  check=False)
-    assert result.returncode == 2 and "--r1-gamma takes a second backward" in result.stderr
+    assert result.returncode == 2, result.stderr
+    assert "--strategy deepspeed_stage_3 cannot run this workload, which needs a backward through a gradient of a " \
+        "set-up model (fabric.grad with create_graph: R1, WGAN-GP): ZeRO-3's partitioned parameters fail" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

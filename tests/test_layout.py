@@ -291,6 +291,15 @@ def test_no_strategy_internals_outside_core():
             assert not found, f"{path.relative_to(ROOT)}: {found}"
 
 
+def test_the_workloads_configs_state_needs_and_name_no_strategy():
+    """A workload says what it needs (`needs()`, core.strategies.NEEDS) and core decides what a strategy can do: no
+    workload config names a strategy, its options or its stages (contiguous_gradients, ZeRO-3, deepspeed*)."""
+    strategy_words = re.compile(r"deepspeed|zero_optimization|contiguous_gradients|ZeRO|fsdp|\bddp\b", re.I)
+    for workload in WORKLOADS:
+        code = "\n".join(code_lines(ROOT / workload / "config.py"))
+        assert not strategy_words.findall(code), f"{workload}/config.py: {strategy_words.findall(code)}"
+
+
 def test_the_readmes_sdiff_column_is_the_count_of_the_scripts():
     """The README's "changed lines" column is what changed_lines counts now (each line admitted above)."""
     rows = re.findall(r"^\| \[`(\w+)`\]\(\w+/README\.md\) \|.*\| (\d+) \|$", (ROOT / "README.md").read_text(), re.M)

@@ -221,4 +221,7 @@ def test_zero3_is_refused_with_the_reason(tmp_path):
     result = run(["-m", "metalearn.train", "--strategy", "deepspeed_stage_3", "--max-steps", "2",
                   "--out", str(tmp_path)], check=False, timeout=HANG)
     assert result.returncode == 2, result.stderr
-    assert "MAML cannot run under DeepSpeed ZeRO-3" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "--strategy deepspeed_stage_3 cannot run this workload, which needs a set-up model's parameters read " \
+        "as whole tensors" in result.stderr and "ZeRO-3 holds each parameter as an empty placeholder" in result.stderr \
+        and "use deepspeed_stage_1 or deepspeed_stage_2, ddp or fsdp" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "config.json").exists()

@@ -33,6 +33,15 @@ STRATEGIES = {
 }
 
 
+# what a script may say it needs of every strategy (Fabric(needs=...)), so that a strategy that cannot give it
+# refuses before the run starts, with the reason, and one that can prepares for it
+NEEDS = {
+    "second_backward": "a backward through a gradient of a set-up model (fabric.grad with create_graph: R1, WGAN-GP)",
+    "weights_outside_forward": "a set-up model's parameters read as whole tensors outside its forward (MAML's "
+                               "functional forward over its weights)",
+}
+
+
 def register_strategy(name: str, strategy, **options) -> None:
     """Make `Fabric(strategy=name)` build `strategy(device, precision, **options, **user_options)`;
     `strategy` is a subclass of SingleDevice, or "module:Class" to import when the name is chosen."""
@@ -44,12 +53,34 @@ def register_strategy(name: str, strategy, **options) -> None:
     STRATEGIES[name] = (strategy, options)
 
 
-def make_strategy(name: str, device: torch.device, precision, user_options: dict, strategies=STRATEGIES):
-    """The strategy `strategies[name]` names, made for `device` and `precision` with the user's options."""
+def strategy_class(name: str, strategies=STRATEGIES):
+    """(the class `strategies[name]` names, imported if it is a path; the options the name fixes)."""
     cls, options = strategies[name]
     if isinstance(cls, str):
         module, _, class_name = cls.partition(":")
         cls = getattr(importlib.import_module(module), class_name)
+    return cls, options
+
+
+def refusal(name: str, precision: str, needs, user_options: dict | None = None, strategies=STRATEGIES) -> str | None:
+    """Why strategy `name` cannot give a script what it `needs` (None where it can)."""
+    unknown = sorted(set(needs) - set(NEEDS))
+    if unknown:
+        raise ValueError(f"Unknown needs {unknown}; a script may say it needs: {', '.join(NEEDS)}.")
+    if not needs:
+        return None
+    cls, options = strategy_class(name, strategies)
+    return cls.refusal(set(needs), precision, {**options, **(user_options or {})})
+
+
+def make_strategy(name: str, device: torch.device, precision, user_options: dict, strategies=STRATEGIES,
+                  needs=()):
+    """The strategy `strategies[name]` names, made for `device` and `precision` with the user's options, for a
+    script that needs `needs` (refused here, with the reason, where the strategy cannot give it)."""
+    reason = refusal(name, precision.name, needs, user_options, strategies)
+    if reason:
+        raise ValueError(f"strategy={name!r} cannot give this script {', '.join(sorted(needs))}: {reason}.")
+    cls, options = strategy_class(name, strategies)
     fixed = sorted(set(options) & set(user_options))
     if fixed:
         raise ValueError(f"strategy={name!r} sets {fixed} itself; drop them, or choose a strategy whose name does "
@@ -63,6 +94,7 @@ def make_strategy(name: str, device: torch.device, precision, user_options: dict
                             f"{', '.join(takes) or 'none'}.")
     strategy = cls.__new__(cls)
     strategy.name = name  # its registry name, for its messages from __init__ on
+    strategy.needs = frozenset(needs)  # before __init__, which may build its config from them
     strategy.__init__(device, precision, **options, **user_options)
     return strategy
 

@@ -96,6 +96,19 @@ class DeepSpeed(DDP):
         import_deepspeed(self.name, device.type)  # imports DeepSpeed on this device's accelerator
         self.config()  # refuse a config that contradicts the strategy's name now, not at setup
 
+    @classmethod
+    def refusal(cls, needs: set, precision: str, options: dict) -> str | None:
+        config = options.get("config") if isinstance(options.get("config"), dict) else {}
+        zero = config.get("zero_optimization", {})
+        stage = options.get("stage") or zero.get("stage", 2)
+        if stage == 3 and "weights_outside_forward" in needs:
+            return ("ZeRO-3 holds each parameter as an empty placeholder outside its own layer's forward (it gathers "
+                    "a layer's weights only while that layer runs), so a script that reads the weights directly "
+                    "sees nothing; use deepspeed_stage_1 or deepspeed_stage_2, ddp or fsdp")
+        if "second_backward" in needs:
+            return _second_backward_refusal(stage, precision, zero.get("contiguous_gradients", False))
+        return None
+
     def choose_precision(self, precision):
         from deepspeed.accelerator import get_accelerator
 
@@ -114,6 +127,8 @@ class DeepSpeed(DDP):
                              f"stage {zero['stage']}. Drop the stage from the config, or use strategy='deepspeed' "
                              f"to take it from the config.")
         zero.setdefault("stage", self.stage)
+        if "second_backward" in self.needs and zero["stage"] == 2:
+            zero.setdefault("contiguous_gradients", False)  # its contiguous buckets fail in the second backward
         if self.offload:
             zero.setdefault("offload_optimizer", {"device": "cpu"})
             if self.stage == 3:
@@ -181,14 +196,7 @@ class DeepSpeed(DDP):
         gradient buckets fail: IndexError in reduce_ipg_grads); ZeRO-3 cannot (its partitioned convolution's
         double backward fails); under float16 the loss scale is the engine's own, which fabric.grad cannot apply."""
         zero = self.config()["zero_optimization"]
-        reason = None
-        if zero["stage"] == 3:
-            reason = "ZeRO-3's partitioned parameters fail in the double backward (a convolution's); use stage 1 or 2"
-        elif zero["stage"] == 2 and zero.get("contiguous_gradients", True):
-            reason = ("ZeRO-2's contiguous gradient buckets fail in it; pass config={'zero_optimization': "
-                      "{'contiguous_gradients': False}}")
-        elif self.precision.name in ("16-mixed", "16-true"):
-            reason = "the engine keeps its float16 loss scale to itself; use bf16-mixed or 32-true"
+        reason = _second_backward_refusal(zero["stage"], self.precision.name, zero.get("contiguous_gradients", True))
         if reason:
             raise RuntimeError(f"fabric.grad under strategy={self.name!r}: the loss's backward goes through the "
                                f"gradient it returns, a second backward through the engine, and {reason} "
@@ -276,6 +284,17 @@ class DeepSpeed(DDP):
         if not (isinstance(state, dict) and "param_groups" in state):
             return  # restored with its engine
         deepspeed_checkpoint.load_full_optimizer(wrapped_module._forward_module, state)
+
+
+def _second_backward_refusal(stage: int, precision: str, contiguous_gradients: bool) -> str | None:
+    if stage == 3:
+        return "ZeRO-3's partitioned parameters fail in the double backward (a convolution's); use stage 1 or 2"
+    if stage == 2 and contiguous_gradients:
+        return ("ZeRO-2's contiguous gradient buckets fail in it; say so before setup, Fabric(..., "
+                "needs={'second_backward'}), which turns them off (or drop contiguous_gradients from the config)")
+    if precision in ("16-mixed", "16-true"):
+        return "the engine keeps its float16 loss scale to itself; use bf16-mixed or 32-true"
+    return None
 
 
 @contextmanager

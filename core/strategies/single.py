@@ -19,6 +19,13 @@ class SingleDevice:
     changes_module = False  # True where setup changes the module in place (sharding, an engine): set up once only
     backward_needs_module = False  # True where backward goes through the module's engine
     options_key = None  # the name of this strategy's per-module options in setup(..., ddp={...})
+    needs = frozenset()  # what the script needs (Fabric(needs=...), core.strategies.NEEDS), set by make_strategy
+
+    @classmethod
+    def refusal(cls, needs: set, precision: str, options: dict) -> str | None:
+        """Why this strategy, made with `options` under `precision` (a name), cannot give a script what it
+        `needs` (names in core.strategies.NEEDS); None where it can. Asked before any process starts."""
+        return None
 
     def __init__(self, device: torch.device, precision, **options):
         if options and not self.distributed:
