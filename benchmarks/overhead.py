@@ -24,6 +24,7 @@ Lightning Fabric is measured the same way on the 32-true path when `lightning` i
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,14 @@ from torch import nn
 
 from benchmarks import paired
 from benchmarks.record import ROOT, spread
+
+
+def free_port() -> int:
+    """A port free now, for a process group started later here and in the tests; another process may take it in
+    between (core's launcher binds rank 0's store first instead: core/launcher/stores.py host_store)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _model():
@@ -166,7 +175,6 @@ def ddp_row(rounds: int, steps: int, slowdown, calibrate: bool, seed: int) -> di
     rank 0, CPU time (process, and training thread) of both ranks added up."""
     import torch.multiprocessing as mp
 
-    from core.launcher import free_port
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_ddp_rank, args=(rounds, steps, slowdown, calibrate, seed, free_port(), queue), nprocs=2,
                        start_method="spawn")
@@ -218,7 +226,6 @@ def stop_check_cost(steps: int = 2000) -> dict:
     stop, loss = StopRequests(), torch.tensor(1.0)
     one = _time_checks(stop, loss, steps)
     queue = mp.get_context("spawn").SimpleQueue()
-    from core.launcher import free_port
     mp.start_processes(_stop_check_rank, args=(steps, free_port(), queue), nprocs=2, start_method="spawn")
     return {"one_process_us": one, "two_processes_us": queue.get()}
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.workloads import WORKLOADS, flags
 from benchmarks.parity import run_weights
@@ -106,6 +107,46 @@ def test_every_mode_runs_on_one_process_and_matches_single(tmp_path, workload):
     single = run_weights(tmp_path / "single")
     for mode in MODES:
         assert max_difference(run_weights(tmp_path / mode), single) == 0.0, mode
+
+
+GROUPS_READ = """
+import json, sys, torch
+from torch import nn
+from core import Fabric
+from core.checkpoint import read
+stage, out = int(sys.argv[1]), sys.argv[2]
+fabric = Fabric(accelerator="cpu", strategy=f"deepspeed_stage_{stage}", devices=1)
+fabric.launch()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+before = {name: p.detach().clone() for name, p in model.named_parameters()}
+groups = [{"params": model[0].parameters(), "lr": 0.1}, {"params": model[2].parameters(), "lr": 0.01, "momentum": 0.9}]
+model, optimizer = fabric.setup(model, torch.optim.SGD(groups, lr=0.5))
+fabric.backward(model(torch.randn(3, 4)).sum())
+optimizer.step()
+fabric.save(out + "/ckpt", {"model": model, "optimizer": optimizer})
+saved = read(out + "/ckpt")
+weights, state = saved["model"], saved["optimizer"]["optimizer"]
+# after one SGD step with momentum, the buffer is the gradient: (before - after) / lr
+expected = {name: (before[name] - weights[name]) / 0.01 for name in ("2.weight", "2.bias")}
+json.dump({"groups": [(g["lr"], g["momentum"], sorted(g["params"])) for g in state["param_groups"]],
+           "buffers": sorted(name for name, entry in state["state"].items() if "momentum_buffer" in entry),
+           "error": max((state["state"][n]["momentum_buffer"] - e).abs().max().item() for n, e in expected.items())},
+          open(out + "/result.json", "w"))
+"""
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_zero_checkpoint_reads_each_optimizer_group_with_its_own_state_and_hyperparameters(tmp_path, stage):
+    """A group whose optimizer keeps no state (SGD without momentum) beside one that does: read whole, each group
+    keeps its own hyperparameters and the other's momentum buffers (ZeRO-2's were dropped, ZeRO-3's read failed)."""
+    pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+    script = tmp_path / "groups.py"
+    script.write_text(GROUPS_READ)
+    run([str(script), str(stage), str(tmp_path)], timeout=HANG)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["groups"] == [[0.1, 0, ["0.bias", "0.weight"]], [0.01, 0.9, ["2.bias", "2.weight"]]]
+    assert result["buffers"] == ["2.bias", "2.weight"] and result["error"] < 1e-5
 
 
 ZERO_3_CHECKS = """
@@ -239,4 +280,30 @@ def test_the_private_deepspeed_functions_core_reads_with_are_there_or_named():
             deepspeed_checkpoint.check_private_api()
     finally:
         zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint = saved
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    method = DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state
+    try:
+        del DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state  # a method of a class is pinned too
+        with pytest.raises(CheckpointError, match=r"lacks deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
+                                                  r"._lazy_init_hp_params_optimizer_state"):
+            deepspeed_checkpoint.check_private_api()
+    finally:
+        DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state = method
+
+
+def test_a_deepspeed_load_that_bypasses_the_safe_loader_is_an_error_not_an_unsafe_read(tmp_path):
+    """core shadows the checkpoint engine's `load` (weights-only reads); a DeepSpeed that read its files through
+    another method would skip it, so a load that read nothing through it fails, naming the pinned version."""
+    pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from core.strategies.deepspeed import _safe_loads
+    engine = TorchCheckpointEngine()
+    torch.save({"weight": torch.ones(2)}, tmp_path / "file.pt")
+    with _safe_loads(engine):
+        assert torch.equal(engine.load(str(tmp_path / "file.pt"))["weight"], torch.ones(2))  # through core's reader
+    assert "load" not in vars(engine)  # the class's own again
+    with pytest.raises(CheckpointError, match="without reading any file through its checkpoint engine's `load`"):
+        with _safe_loads(engine):
+            torch.load(tmp_path / "file.pt", weights_only=True)  # as a DeepSpeed reading around it would
 

@@ -41,7 +41,7 @@ def test_two_torchrun_nodes_on_one_machine(tmp_path):
     """num_nodes=2 under torchrun: two 'nodes' of one process each on 127.0.0.1."""
     import subprocess
     import sys
-    from core.launcher import free_port
+    from benchmarks.overhead import free_port
 
     port, out = free_port(), tmp_path / "result.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

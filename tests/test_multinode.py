@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from core.launcher import free_port
+from benchmarks.overhead import free_port
 from tests.conftest import ROOT, TORCHRUN, run
 
 SMALL = {"gan": ["--batch-size", "8", "--ngf", "8", "--ndf", "8", "--nz", "16", "--eval-samples", "8"],

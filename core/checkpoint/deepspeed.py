@@ -61,15 +61,15 @@ def load_full_optimizer(engine, state: dict) -> None:
     from deepspeed.utils import safe_set_full_optimizer_state
 
     zero, base = engine.optimizer, engine.optimizer.optimizer
-    groups = state["param_groups"]  # one per group of the engine's optimizer, or one for all its sub-groups (ZeRO-3)
-    if len(groups) == 1:
-        groups = groups * len(base.param_groups)
+    groups = state["param_groups"]  # one per group of the engine's optimizer, each with its own hyperparameters
     if len(groups) != len(base.param_groups):
         raise files.CheckpointError(f"The checkpoint's optimizer has {len(groups)} parameter groups; this "
                                     f"DeepSpeed engine splits them into {len(base.param_groups)}, which core "
                                     f"cannot pair. Resume with the strategy that saved it.")
+    stage = engine.zero_optimization_stage()  # by the stage, not by which attributes the optimizer has: a DeepSpeed
+    # that renamed one fails here (AttributeError) instead of taking the other stage's branch
     if not base.state:
-        if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3 puts each sub-group's partition in its group to step
+        if stage == 3:  # ZeRO-3 puts each sub-group's partition in its group to step
             pairs = [(base.param_groups[zero.sub_group_to_group_id[i]], flat)
                      for i, flat in enumerate(zero.fp32_partitioned_groups_flat)]
         else:
@@ -81,7 +81,7 @@ def load_full_optimizer(engine, state: dict) -> None:
             base.step()
             group.update(params=params, lr=rate)
             flat.grad = grad
-    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2: link each parameter to its state slice
+    if stage in (1, 2):  # link each parameter to its state slice
         zero._hp_optimizer_states_linked = False
         zero._lazy_init_hp_params_optimizer_state()
     names = dict(engine.module.named_parameters())
@@ -103,7 +103,11 @@ def load_full_optimizer(engine, state: dict) -> None:
 # minor version the tests ran, and check_private_api names the installed one when any is gone
 PRIVATE_API = {"deepspeed.utils.zero_to_fp32": ("_get_fp32_state_dict_from_zero2_checkpoint",
                                                 "_get_fp32_state_dict_from_zero3_checkpoint", "zero_model_state",
-                                                "get_model_state_files", "get_optim_files", "to_torch_tensor")}
+                                                "get_model_state_files", "get_optim_files", "to_torch_tensor"),
+               # load_full_optimizer: ZeRO-1/2 link each weight to its optimizer state slice with these
+               "deepspeed.runtime.zero.stage_1_and_2": ("DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state",),
+               # the strategy's _safe_loads shadows this to read DeepSpeed's files weights-only
+               "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine": ("TorchCheckpointEngine.load",)}
 
 
 def check_private_api() -> None:
@@ -111,11 +115,16 @@ def check_private_api() -> None:
 
     import deepspeed
     for module, names in PRIVATE_API.items():
-        missing = [name for name in names if not hasattr(importlib.import_module(module), name)]
+        found = importlib.import_module(module)
+        missing = [name for name in names if not _has(found, name.split("."))]
         if missing:
             raise files.CheckpointError(
                 f"DeepSpeed {deepspeed.__version__} lacks {module}.{', '.join(missing)}, which core reads DeepSpeed "
                 f"checkpoints with; install the version setup.cfg names (pip install -e '.[deepspeed]').")
+
+
+def _has(obj, names: list[str]) -> bool:
+    return not names or hasattr(obj, names[0]) and _has(getattr(obj, names[0]), names[1:])
 
 
 def read_deepspeed(path) -> dict:
@@ -174,21 +183,34 @@ def _merge_partitions(folder: Path, z) -> tuple[dict, dict]:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
         weights = merge([o[flat_key] for o in optims])
     base = [o["base_optimizer_state"] if stage <= 2 else o["optimizer_state_dict"] for o in optims]  # the torch optimizer's
-    groups = sorted(base[0]["state"])
-    names = [list(shapes) for shapes in states[0].param_shapes]
-    per_param = {name: {} for group in names for name in group}
-    for k, value in base[0]["state"][groups[0]].items() if groups else ():  # plain SGD keeps no state
-        if torch.is_tensor(value) and value.dim() > 0:  # laid out like the flat weights: merged like them
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                full = merge([[b["state"][g][k] for g in groups] for b in base])
-            for name in per_param:
-                per_param[name][k] = full[name]
-        else:  # one per flat partition (the step count): each parameter gets its own copy, which torch
-            for name in per_param:  # optimizers update in place
-                per_param[name][k] = value.clone() if torch.is_tensor(value) else value
+    names = [list(shapes) for shapes in states[0].param_shapes]  # the parameters of each flat group, in order
     hyper = base[0]["param_groups"]
-    param_groups = [{**{k: v for k, v in hyper[min(i, len(hyper) - 1)].items() if k != "params"}, "params": group}
-                    for i, group in enumerate(names)]
+    if not len(names) == len(hyper) == len(optims[0][flat_key]):
+        raise files.CheckpointError(f"{folder}: its {len(hyper)} optimizer groups, {len(names)} groups of parameters "
+                                    f"and {len(optims[0][flat_key])} flat partitions do not pair up, which core "
+                                    f"cannot read; resume with the strategy and process count that saved it.")
+
+    def per_weight(value) -> bool:  # laid out like the flat weights (exp_avg, momentum_buffer): merged like them
+        return torch.is_tensor(value) and value.dim() > 0
+
+    per_param = {name: {} for group in names for name in group}
+    for k in sorted({k for b in base for group_state in b["state"].values() for k in group_state}):
+        # a group may lack a key another has (SGD keeps no momentum buffer in a group with momentum 0): zeros
+        # stand in for its partitions in the merge, and its parameters get no entry
+        holders = [g for g in range(len(names)) if per_weight(base[0]["state"].get(g, {}).get(k))]
+        if holders:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                full = merge([[b["state"][g][k] if g in holders else torch.zeros_like(o[flat_key][g])
+                               for g in range(len(names))] for b, o in zip(base, optims)])
+            for g in holders:
+                for name in names[g]:
+                    per_param[name][k] = full[name]
+        for g, group_state in base[0]["state"].items():  # one per flat partition (the step count): each parameter
+            if k in group_state and not per_weight(group_state[k]):  # its own copy, which optimizers update in place
+                for name in names[g]:
+                    per_param[name][k] = group_state[k].clone() if torch.is_tensor(group_state[k]) else group_state[k]
+    param_groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": group}
+                    for saved, group in zip(hyper, names)]
     return weights, {"state": per_param, "param_groups": param_groups}
 
 

@@ -18,4 +18,4 @@ from core.launcher.ending import end_run_at_exit, mark_failed  # noqa: F401
 from core.launcher.environment import cluster_environment, set_threads  # noqa: F401
 from core.launcher.environment import threads_per_process  # noqa: F401
 from core.launcher.processes import start  # noqa: F401
-from core.launcher.stores import free_port, own_store  # noqa: F401
+from core.launcher.stores import own_store  # noqa: F401

@@ -1,15 +1,6 @@
 """The rendezvous stores the ranks of a run meet through: rank 0's bound before any other rank starts, or a
 client of torchrun's agent store, one key prefix per restart."""
 import os
-import socket
-
-
-def free_port() -> int:
-    """A port free now, for a server started later (tests, benchmarks); another process may take it in between:
-    the launcher itself binds rank 0's store first instead (host_store)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 _store = None  # rank 0's TCPStore in a process that starts the other ranks itself (host_store)

@@ -300,12 +300,23 @@ def _second_backward_refusal(stage: int, precision: str, contiguous_gradients: b
 @contextmanager
 def _safe_loads(checkpoint_engine):
     """Within: every file DeepSpeed reads through this engine's checkpoint engine (the files of this rank,
-    each once) is read by `deepspeed_checkpoint.safe_loader`."""
-    checkpoint_engine.load = deepspeed_checkpoint.safe_loader()  # shadows the class's load, which unpickles anything
+    each once) is read by `deepspeed_checkpoint.safe_loader`. A DeepSpeed that read its files another way would
+    bypass it: a block that read nothing through it is an error, not a silent unsafe load."""
+    safe_load, reads = deepspeed_checkpoint.safe_loader(), []
+
+    def load(*args, **kwargs):
+        reads.append(args[0] if args else kwargs.get("path"))
+        return safe_load(*args, **kwargs)
+    checkpoint_engine.load = load  # shadows the class's load, which unpickles anything
     try:
         yield
     finally:
         del checkpoint_engine.load
+    if not reads:
+        raise checkpoint.CheckpointError(
+            f"DeepSpeed {_version()} loaded a checkpoint without reading any file through its checkpoint engine's "
+            f"`load`, which core shadows to read only tensors and DeepSpeed's own types; install the version "
+            f"setup.cfg names (pip install -e '.[deepspeed]').")
 
 
 class Zero3Shares:
