@@ -295,15 +295,16 @@ def test_a_deepspeed_load_that_bypasses_the_safe_loader_is_an_error_not_an_unsaf
     """core shadows the checkpoint engine's `load` (weights-only reads); a DeepSpeed that read its files through
     another method would skip it, so a load that read nothing through it fails, naming the pinned version."""
     pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+    import deepspeed
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    from core.strategies.deepspeed import _safe_loads
+    from core.checkpoint.deepspeed import safe_loads
     engine = TorchCheckpointEngine()
     torch.save({"weight": torch.ones(2)}, tmp_path / "file.pt")
-    with _safe_loads(engine):
+    with safe_loads(engine, deepspeed.__version__):
         assert torch.equal(engine.load(str(tmp_path / "file.pt"))["weight"], torch.ones(2))  # through core's reader
     assert "load" not in vars(engine)  # the class's own again
     with pytest.raises(CheckpointError, match="without reading any file through its checkpoint engine's `load`"):
-        with _safe_loads(engine):
+        with safe_loads(engine, deepspeed.__version__):
             torch.load(tmp_path / "file.pt", weights_only=True)  # as a DeepSpeed reading around it would
 

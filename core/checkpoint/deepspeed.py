@@ -106,7 +106,7 @@ PRIVATE_API = {"deepspeed.utils.zero_to_fp32": ("_get_fp32_state_dict_from_zero2
                                                 "get_model_state_files", "get_optim_files", "to_torch_tensor"),
                # load_full_optimizer: ZeRO-1/2 link each weight to its optimizer state slice with these
                "deepspeed.runtime.zero.stage_1_and_2": ("DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state",),
-               # the strategy's _safe_loads shadows this to read DeepSpeed's files weights-only
+               # safe_loads (below) shadows this to read DeepSpeed's files weights-only
                "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine": ("TorchCheckpointEngine.load",)}
 
 
@@ -236,3 +236,25 @@ def safe_loader(**defaults):
             raise files.CheckpointError(f"{file} is not readable ({str(error).splitlines()[0][:200]}). "
                                         f"Resume from an earlier checkpoint.") from error
     return load
+
+
+@contextlib.contextmanager
+def safe_loads(checkpoint_engine, version: str):
+    """Within: every file DeepSpeed reads through this engine's checkpoint engine (the files of this rank,
+    each once) is read by `safe_loader`. A DeepSpeed that read its files another way would
+    bypass it: a block that read nothing through it is an error, not a silent unsafe load."""
+    safe_load, reads = safe_loader(), []
+
+    def load(*args, **kwargs):
+        reads.append(args[0] if args else kwargs.get("path"))
+        return safe_load(*args, **kwargs)
+    checkpoint_engine.load = load  # shadows the class's load, which unpickles anything
+    try:
+        yield
+    finally:
+        del checkpoint_engine.load
+    if not reads:
+        raise files.CheckpointError(
+            f"DeepSpeed {version} loaded a checkpoint without reading any file through its checkpoint engine's "
+            f"`load`, which core shadows to read only tensors and DeepSpeed's own types; install the version "
+            f"setup.cfg names (pip install -e '.[deepspeed]').")

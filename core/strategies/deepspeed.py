@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -272,7 +272,7 @@ class DeepSpeed(DDP):
         if "shapes" in state:  # a ZeRO engine would fail on another shape deep inside, without naming it
             deepspeed_checkpoint.check_shapes(engine.module, state["shapes"], strict, key)
         try:
-            with _safe_loads(engine.checkpoint_engine):
+            with deepspeed_checkpoint.safe_loads(engine.checkpoint_engine, _version()):
                 loaded, _ = engine.load_checkpoint(str(path), tag=state["deepspeed_tag"], load_module_strict=strict,
                                                    load_optimizer_states=True, load_lr_scheduler_states=False)
         except ZeRORuntimeException as error:
@@ -295,28 +295,6 @@ def _second_backward_refusal(stage: int, precision: str, contiguous_gradients: b
     if precision in ("16-mixed", "16-true"):
         return "the engine keeps its float16 loss scale to itself; use bf16-mixed or 32-true"
     return None
-
-
-@contextmanager
-def _safe_loads(checkpoint_engine):
-    """Within: every file DeepSpeed reads through this engine's checkpoint engine (the files of this rank,
-    each once) is read by `deepspeed_checkpoint.safe_loader`. A DeepSpeed that read its files another way would
-    bypass it: a block that read nothing through it is an error, not a silent unsafe load."""
-    safe_load, reads = deepspeed_checkpoint.safe_loader(), []
-
-    def load(*args, **kwargs):
-        reads.append(args[0] if args else kwargs.get("path"))
-        return safe_load(*args, **kwargs)
-    checkpoint_engine.load = load  # shadows the class's load, which unpickles anything
-    try:
-        yield
-    finally:
-        del checkpoint_engine.load
-    if not reads:
-        raise checkpoint.CheckpointError(
-            f"DeepSpeed {_version()} loaded a checkpoint without reading any file through its checkpoint engine's "
-            f"`load`, which core shadows to read only tensors and DeepSpeed's own types; install the version "
-            f"setup.cfg names (pip install -e '.[deepspeed]').")
 
 
 class Zero3Shares:
