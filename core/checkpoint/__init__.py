@@ -30,6 +30,14 @@ from core.checkpoint.files import (FORMAT, MARKER, STATE, VERSION, CheckpointErr
 
 
 
+class InEngine:
+    """The entry a strategy's `module_state` or `optimizer_state` gives for state its engine keeps and writes itself
+    (DeepSpeed's partitions): `wrapped`, the set-up module whose engine holds it, for its `save_checkpoint`."""
+
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+
+
 def check_state_dict(module: torch.nn.Module, state: dict, name: str, strict: bool = True) -> None:
     """Raise a CheckpointError listing every missing, unexpected or mis-shaped key."""
     expected = module.state_dict()

@@ -254,7 +254,7 @@ def _apply_filter(collected: dict, filter: dict, strategy: str) -> dict:
             raise TypeError(f"filter[{key!r}] must be a callable (name, value) -> bool, got {keep!r}.")
         value = collected[key]
         entries = value["optimizer"] if checkpoint.is_optimizer_entry(value) else value
-        if isinstance(entries, nn.Module):  # a DeepSpeed engine writes it whole, in save_checkpoint
+        if isinstance(entries, checkpoint.InEngine):  # a DeepSpeed engine writes it whole, in save_checkpoint
             raise TypeError(f"strategy={strategy!r} saves {key!r} through DeepSpeed's engine, which takes no "
                             f"filter; save without it.")
         if not isinstance(entries, dict):

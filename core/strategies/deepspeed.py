@@ -219,30 +219,29 @@ class DeepSpeed(DDP):
         return self._names[id(optimizer)]  # ZeRO replaced the optimizer's parameters with its flat partitions
 
     def module_state(self, wrapped):
-        return wrapped  # saved by its engine in save_checkpoint
+        return checkpoint.InEngine(wrapped)  # saved by its engine in save_checkpoint
 
     def optimizer_state(self, optimizer, wrapped_module):
-        return wrapped_module  # inside its engine's checkpoint; save_checkpoint names the engine
+        return checkpoint.InEngine(wrapped_module)  # inside its model's engine checkpoint
 
     def save_checkpoint(self, path, state: dict) -> None:
-        from core.wrappers import FabricModule
-
         path = Path(path)
         tmp = checkpoint.staging(path)
         checkpoint.clear_directory(tmp, self.global_rank, self.barrier)
-        key_of = {id(value): key for key, value in state.items() if isinstance(value, FabricModule)}
+        key_of = {id(value.wrapped): key for key, value in state.items() if isinstance(value, checkpoint.InEngine)}
         plain = {}
         for key, value in state.items():
-            if isinstance(value, FabricModule):  # every rank writes its own partitions
-                value._forward_module.save_checkpoint(str(tmp), tag=key, save_latest=False)
-                shapes = {name: list(getattr(p, "ds_shape", p.shape)) for name, p in value.module.named_parameters()}
+            if isinstance(value, checkpoint.InEngine):  # every rank writes its own partitions
+                value.wrapped._forward_module.save_checkpoint(str(tmp), tag=key, save_latest=False)
+                shapes = {name: list(getattr(p, "ds_shape", p.shape))
+                          for name, p in value.wrapped.module.named_parameters()}
                 plain[key] = {"deepspeed_tag": key, "world_size": self.world_size, "stage": self.stage,
                               "shapes": shapes}
-            elif isinstance(value, dict) and isinstance(value.get("optimizer"), FabricModule):
-                if id(value["optimizer"]) not in key_of:
+            elif isinstance(value, dict) and isinstance(value.get("optimizer"), checkpoint.InEngine):
+                if id(value["optimizer"].wrapped) not in key_of:
                     raise ValueError(f"Under DeepSpeed an optimizer's state is saved with its model's engine: put the "
                                      f"model that {key!r} updates into the same fabric.save call.")
-                plain[key] = {**value, "optimizer": {"deepspeed_tag": key_of[id(value["optimizer"])]}}
+                plain[key] = {**value, "optimizer": {"deepspeed_tag": key_of[id(value["optimizer"].wrapped)]}}
             else:
                 plain[key] = value
         self.barrier()
