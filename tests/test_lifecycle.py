@@ -186,10 +186,19 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step(tmp_path, strategy, s
 
 
 def ranks_of(process: subprocess.Popen) -> list[int]:
-    """Rank 0's pid and its children's, seen while rank 0 still runs."""
+    """Rank 0's pid and the other ranks' (its children started with CORE_PARENT_PID), seen while rank 0 still runs.
+
+    Rank 0 may also start short-lived helpers (a compiler probe, `ldconfig`); between fork and exec those still show
+    rank 0's command line, but not an environment of their own, so the environment tells them apart."""
     seen = set()
     while process.poll() is None:
-        seen.update(children_of(process.pid))
+        for pid in children_of(process.pid):
+            try:
+                environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"CORE_PARENT_PID={process.pid}".encode() in environment:
+                seen.add(pid)
         time.sleep(0.02)
     return [process.pid, *seen]
 
