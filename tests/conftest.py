@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from common.resume import resolve_run
+from core.seed import SEED_VARIABLE, WORKERS_VARIABLE
 
 ROOT = Path(__file__).resolve().parent.parent
 # seconds: a deadline that catches a hang (a collective waits 30 minutes by default), never a busy machine; a test
@@ -43,6 +44,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SUITE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(autouse=True)
+def _seed_variables_restored():
+    """seed_everything leaves its seed in os.environ (PL_GLOBAL_SEED, as Lightning's does) for the processes a
+    launcher starts; a test's seed must not reach the processes a later test in this worker starts (the contract's
+    DistributedSampler took seed 3 from an earlier test's seed_everything(3) and read other batches than plain)."""
+    saved = {name: os.environ.get(name) for name in (SEED_VARIABLE, WORKERS_VARIABLE)}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 # torchrun on 2 local processes; --standalone takes a free rendezvous port instead of the fixed 29500, which
