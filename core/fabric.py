@@ -79,7 +79,9 @@ class Fabric:
         self._modules = []  # FabricModules, in setup order
         # backward is loss.backward() when neither a loss scaler nor an engine is involved; where one is, a set-up
         # optimizer refuses to step on gradients that no fabric.backward made
-        self._backward = BackwardState(required=self._strategy.backward_needs_module)
+        self._backward = BackwardState(required=self._strategy.backward_needs_module,
+                                       scaled_only=type(self._strategy).backward is SingleDevice.backward
+                                       and not self._strategy.backward_needs_module)
 
     # --- launching --------------------------------------------------------------------------------
     def launch(self, fn=_NO_FUNCTION, *args, **kwargs):
@@ -241,17 +243,21 @@ class Fabric:
 
     def _step_function(self, optimizer, module: FabricModule):
         """What the set-up optimizer's `step(closure)` calls: the optimizer's own step where neither the strategy
-        nor the precision adds anything, else the strategy's step after the check that fabric.backward ran."""
+        nor the precision adds anything, else the strategy's step (the precision's, where the strategy adds nothing to
+        it) after the check that fabric.backward ran."""
         strategy = self._strategy
         plain_step = type(strategy).optimizer_step is SingleDevice.optimizer_step
         if plain_step and not self._precision.steps_through_scaler(optimizer):
             return optimizer.step
-        check = self._backward.step_check()
+        state, precision_step, seen = self._backward, self._precision.optimizer_step, [self._backward.count]
 
         def step(closure=None):
-            if closure is None:  # a closure runs its own fabric.backward inside the step
-                check()
-            return strategy.optimizer_step(optimizer, module, **({"closure": closure} if closure else {}))
+            if closure is not None:  # a closure runs its own fabric.backward inside the step
+                return strategy.optimizer_step(optimizer, module, closure=closure)
+            if state.required and state.count == seen[0]:
+                raise state.missing()
+            seen[0] = state.count
+            return precision_step(optimizer) if plain_step else strategy.optimizer_step(optimizer, module)
         return step
 
     def _after_setup(self, module: nn.Module, wrapped: FabricModule, optimizers: list | None) -> None:
@@ -263,12 +269,12 @@ class Fabric:
         """`tensor.backward(*args, **kwargs)` through the strategy and precision (create_graph,
         retain_graph pass through). `model` says which set-up model this loss is for, where the
         strategy needs to know (DeepSpeed's engines) and the graph alone does not say."""
-        if not self._backward.required:
+        state = self._backward
+        if not state.required:
             return tensor.backward(*args, **kwargs)
-        self._backward.count += 1
-        self._backward_through_strategy(tensor, args, kwargs, model)
-
-    def _backward_through_strategy(self, tensor, args, kwargs, model) -> None:
+        state.count += 1
+        if state.scaled_only:  # a loss scaler and the base strategy's backward: the scaled loss's own
+            return self._precision.scale_loss(tensor).backward(*args, **kwargs)
         module = model
         if module is None and self._strategy.backward_needs_module:
             module = validation.module_of_loss(tensor, self._modules)

@@ -18,24 +18,19 @@ STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 class BackwardState:
     """Shared by a Fabric and the optimizers it sets up: whether a plain `loss.backward()` would skip work that
     `fabric.backward` does (an engine's backward, a loss scaler), and how many times fabric.backward has run.
-    Where it is required, each set-up optimizer's step checks that fabric.backward ran since its last step (a
-    count compared per step: no hook on any output)."""
+    Where it is required, each set-up optimizer's step checks that fabric.backward ran since its last step (the
+    count compared with the one it saw at its last step: no hook on any output)."""
 
-    def __init__(self, required: bool = False):
+    def __init__(self, required: bool = False, scaled_only: bool = False):
         self.required, self.count = required, 0
+        self.scaled_only = scaled_only  # the strategy's backward is the loss's own: only a scaler needs fabric.backward
 
-    def step_check(self):
-        """The check for one optimizer: call it before the optimizer steps."""
-        last = [self.count]
-
-        def check():
-            if self.required and self.count == last[0]:
-                raise RuntimeError("optimizer.step() found no fabric.backward(loss) since its last step: "
-                                   "loss.backward() was called where this strategy or precision needs "
-                                   "fabric.backward(loss) (DeepSpeed's engine runs the backward, 16-mixed scales the "
-                                   "loss). Replace loss.backward() with fabric.backward(loss).")
-            last[0] = self.count
-        return check
+    def missing(self) -> RuntimeError:
+        """The error of an optimizer that found no fabric.backward since its last step."""
+        return RuntimeError("optimizer.step() found no fabric.backward(loss) since its last step: loss.backward() "
+                            "was called where this strategy or precision needs fabric.backward(loss) (DeepSpeed's "
+                            "engine runs the backward, 16-mixed scales the loss). Replace loss.backward() with "
+                            "fabric.backward(loss).")
 
 
 class FabricModule(nn.Module):
@@ -53,9 +48,10 @@ class FabricModule(nn.Module):
         d["_target"], d["_original"] = forward_module, original_module  # read per call without nn.Module's lookup
         d["_frozen"] = False
         d["_running"] = 0  # > 0 while this wrapper's own forward runs
-        if precision.passthrough and forward_module is original_module and not guard:
-            # 32-true on one device: nothing to add, so nn.Module.__call__ (hooks included) calls the module
-            d["forward"] = forward_module
+        if forward_module is original_module and not guard:
+            # one device: nothing to guard or freeze, so the forward is the mode's own function of the module (in
+            # 32-true the module itself), called by nn.Module.__call__ (hooks included) without this class's bookkeeping
+            d["forward"] = precision.forward_of(forward_module)
         d["_guards"] = []
         if guard:  # the module itself too: a method that is not marked may call `self(x)`
             d["_guards"].append(_SubmoduleGuard(self, None, original_module))

@@ -40,6 +40,21 @@ class Precision:
         """Within: new modules are created the way convert_module would leave them (Fabric.init_module)."""
         return nullcontext()
 
+    def forward_of(self, module: torch.nn.Module):
+        """`module`'s forward under this mode as one function (a set-up module's forward on one device): the
+        inputs converted, the forward in the mode's context, the outputs converted; the module itself where the
+        mode converts nothing."""
+        if self.passthrough:
+            return module
+        convert_input, context, convert_output = self.convert_input, self.forward_context, self.convert_output
+
+        def forward(*args, **kwargs):
+            args, kwargs = convert_input((args, kwargs))
+            with context():
+                output = module(*args, **kwargs)
+            return convert_output(output)
+        return forward
+
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
 
@@ -63,10 +78,13 @@ class Precision:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` times the loss scale; `loss` itself where no scaler is."""
-        if self.scaler is None:
+        scaler = self.scaler
+        if scaler is None:
             return loss
-        self._update_scale()
-        return self.scaler.scale(loss)
+        if self._update_due:  # _update_scale, inline: this runs once per backward
+            scaler.update()
+            self._update_due = False
+        return scaler.scale(loss)
 
     def _update_scale(self) -> None:
         if self._update_due:
