@@ -43,15 +43,16 @@ class FabricModule(nn.Module):
         self._forward_module = forward_module
         self._original_module = original_module
         d = self.__dict__  # plain attributes, kept out of nn.Module's bookkeeping for speed
-        d["_precision"] = precision
-        d["_converts"] = not precision.passthrough  # decided once: a 32-true forward converts nothing
-        d["_target"], d["_original"] = forward_module, original_module  # read per call without nn.Module's lookup
+        # the mode's function of the strategy wrapper, and of the original (called while frozen), decided once: in
+        # 32-true the module itself; read per call without nn.Module's lookup
+        d["_target"] = precision.forward_of(forward_module)
+        d["_original"] = d["_target"] if forward_module is original_module else precision.forward_of(original_module)
         d["_frozen"] = False
         d["_running"] = 0  # > 0 while this wrapper's own forward runs
         if forward_module is original_module and not guard:
-            # one device: nothing to guard or freeze, so the forward is the mode's own function of the module (in
-            # 32-true the module itself), called by nn.Module.__call__ (hooks included) without this class's bookkeeping
-            d["forward"] = precision.forward_of(forward_module)
+            # one device: nothing to guard or freeze, so nn.Module.__call__ (hooks included) calls the mode's
+            # function without this class's bookkeeping
+            d["forward"] = d["_target"]
         d["_guards"] = []
         if guard:  # the module itself too: a method that is not marked may call `self(x)`
             d["_guards"].append(_SubmoduleGuard(self, None, original_module))
@@ -83,13 +84,7 @@ class FabricModule(nn.Module):
                 guard.lift()
         d["_running"] += 1
         try:
-            if not d["_converts"]:
-                return target(*args, **kwargs)
-            precision = d["_precision"]
-            args, kwargs = precision.convert_input((args, kwargs))
-            with precision.forward_context():
-                output = target(*args, **kwargs)
-            return precision.convert_output(output)
+            return target(*args, **kwargs)
         finally:
             d["_running"] -= 1
             if guards and not d["_running"]:
