@@ -92,9 +92,13 @@ def test_calibration_counts_verdicts_and_fails_a_row_that_cannot_tell_10_percent
     sharp = calibrate.summarize_row("32-true", [run([0.99, 1.01], [1.08, 1.12])] * 10)
     assert sharp["passed"] and sharp["sides"]["a/a"]["yes"] == 10 and sharp["sides"]["a/a+10%"]["no"] == 10
     assert sharp["sides"]["a/a+3%"]["no verdict"] == 10 and sharp["detectable"] == pytest.approx(0.05)
+    assert sharp["resolves_target"]  # 0% reads yes, 3% never does
+    low = calibrate.summarize_row("32-true", [run([0.96, 0.98], [1.08, 1.12])] * 10)  # reads 3% low: 3% passes
+    assert low["passed"] and not low["resolves_target"]
     runs = [run([0.9, 1.1], [1.0, 1.2])] * 9 + [run([1.04, 1.1], [1.1, 1.2])]
     blunt = calibrate.summarize_row("ddp x2", runs, "cpu")
     assert not blunt["passed"] and blunt["sides"]["a/a"]["no"] == 1 and blunt["sides"]["a/a+10%"]["no"] == 1
+    assert not blunt["resolves_target"]  # its A/A pair never reads yes
     assert "| ddp x2 |  | cpu | 0 / 1 / 9 |" in calibrate.markdown([blunt], ["python -m benchmarks.overhead ddp x2"])
 
 
