@@ -95,6 +95,8 @@ def test_calibration_counts_verdicts_and_fails_a_row_that_cannot_tell_10_percent
     assert sharp["resolves_target"]  # 0% reads yes, 3% never does
     low = calibrate.summarize_row("32-true", [run([0.96, 0.98], [1.08, 1.12])] * 10)  # reads 3% low: 3% passes
     assert low["passed"] and not low["resolves_target"]
+    once = calibrate.summarize_row("32-true", [run([0.96, 0.98], [1.08, 1.12])] + [run([0.99, 1.01], [1.08, 1.12])] * 9)
+    assert once["sides"]["a/a+3%"]["yes"] == 1 and once["resolves_target"]  # 1 of 10 is allowed
     runs = [run([0.9, 1.1], [1.0, 1.2])] * 9 + [run([1.04, 1.1], [1.1, 1.2])]
     blunt = calibrate.summarize_row("ddp x2", runs, "cpu")
     assert not blunt["passed"] and blunt["sides"]["a/a"]["no"] == 1 and blunt["sides"]["a/a+10%"]["no"] == 1
