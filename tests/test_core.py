@@ -1,5 +1,6 @@
 """core on one process: the four setup patterns against plain PyTorch, validation rules, precision,
 checkpoints and safe loading."""
+import copy
 import os
 import pickle
 from collections import namedtuple
@@ -327,6 +328,18 @@ class TestPrecision:
         out = model(torch.randn(2, 4))
         assert seen["dtype"] == torch.bfloat16 and out.dtype == torch.float32
         assert model.module.weight.dtype == torch.float32
+
+    @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+    def test_a_copy_of_a_set_up_module_runs_its_own_weights(self, precision):
+        """copy.deepcopy (an EMA or teacher copy) and pickle of a set-up module give a module that calls its own
+        copy of the weights, under every mode's forward."""
+        model = Fabric(accelerator="cpu", precision=precision).setup(nn.Linear(4, 4))
+        x = torch.randn(2, 4)
+        for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            with torch.no_grad():
+                copied.module.weight.zero_()
+                copied.module.bias.zero_()
+            assert torch.equal(copied(x), torch.zeros(2, 4)) and model(x).abs().sum() > 0
 
     def test_bf16_true_converts_module_and_inputs(self):
         fabric = Fabric(accelerator="cpu", precision="bf16-true")

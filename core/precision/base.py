@@ -21,6 +21,23 @@ def cast_floats(data, dtype):
     return map_nested(data, cast)
 
 
+class ModeForward:
+    """`module`'s forward under `mode` (Precision.forward_of). An object rather than a closure, so that copying a
+    set-up module (`copy.deepcopy`, pickle) copies the module it calls."""
+
+    __slots__ = ("module", "mode")
+
+    def __init__(self, module: torch.nn.Module, mode: "Precision"):
+        self.module, self.mode = module, mode
+
+    def __call__(self, *args, **kwargs):
+        mode = self.mode
+        args, kwargs = mode.convert_input((args, kwargs))
+        with mode.forward_context():
+            output = self.module(*args, **kwargs)
+        return mode.convert_output(output)
+
+
 class Precision:
     """32-true: float32 everywhere, nothing added, so the single-device fast path stays a plain call."""
 
@@ -41,19 +58,9 @@ class Precision:
         return nullcontext()
 
     def forward_of(self, module: torch.nn.Module):
-        """`module`'s forward under this mode as one function (a set-up module's forward on one device): the
-        inputs converted, the forward in the mode's context, the outputs converted; the module itself where the
-        mode converts nothing."""
-        if self.passthrough:
-            return module
-        convert_input, context, convert_output = self.convert_input, self.forward_context, self.convert_output
-
-        def forward(*args, **kwargs):
-            args, kwargs = convert_input((args, kwargs))
-            with context():
-                output = module(*args, **kwargs)
-            return convert_output(output)
-        return forward
+        """`module`'s forward under this mode as one callable (a set-up module's forward): the inputs converted, the
+        forward in the mode's context, the outputs converted; the module itself where the mode converts nothing."""
+        return module if self.passthrough else ModeForward(module, self)
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
@@ -78,13 +85,10 @@ class Precision:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` times the loss scale; `loss` itself where no scaler is."""
-        scaler = self.scaler
-        if scaler is None:
+        if self.scaler is None:
             return loss
-        if self._update_due:  # _update_scale, inline: this runs once per backward
-            scaler.update()
-            self._update_due = False
-        return scaler.scale(loss)
+        self._update_scale()
+        return self.scaler.scale(loss)
 
     def _update_scale(self) -> None:
         if self._update_due:

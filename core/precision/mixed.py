@@ -31,16 +31,6 @@ class BFloat16Mixed(Precision):
             return data.float() if data.is_floating_point() else data
         return cast_floats(data, torch.float32)
 
-    def forward_of(self, module):
-        """The base's forward with nothing to convert on the way in (a mixed mode casts inside autocast)."""
-        context, convert_output = self.forward_context, self.convert_output
-
-        def forward(*args, **kwargs):
-            with context():
-                output = module(*args, **kwargs)
-            return convert_output(output)
-        return forward
-
     def fsdp_policy(self):
         from torch.distributed.fsdp import MixedPrecisionPolicy
         return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
