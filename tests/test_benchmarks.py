@@ -97,6 +97,10 @@ def test_calibration_counts_verdicts_and_fails_a_row_that_cannot_tell_10_percent
     assert low["passed"] and not low["resolves_target"]
     once = calibrate.summarize_row("32-true", [run([0.96, 0.98], [1.08, 1.12])] + [run([0.99, 1.01], [1.08, 1.12])] * 9)
     assert once["sides"]["a/a+3%"]["yes"] == 1 and once["resolves_target"]  # 1 of 10 is allowed
+    one_aa_no = calibrate.summarize_row("32-true", [run([1.04, 1.1], [1.08, 1.12])]
+                                        + [run([0.99, 1.01], [1.08, 1.12])] * 9)
+    assert one_aa_no["sides"]["a/a"]["no"] == 1 and one_aa_no["passed"]  # so is one A/A no in 10
+    assert one_aa_no["sides"]["a/a"]["yes"] == 9 and one_aa_no["resolves_target"]  # and 9 A/A yes of 10 is enough
     runs = [run([0.9, 1.1], [1.0, 1.2])] * 9 + [run([1.04, 1.1], [1.1, 1.2])]
     blunt = calibrate.summarize_row("ddp x2", runs, "cpu")
     assert not blunt["passed"] and blunt["sides"]["a/a"]["no"] == 1 and blunt["sides"]["a/a+10%"]["no"] == 1

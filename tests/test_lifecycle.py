@@ -162,7 +162,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step(tmp_path, strategy, s
     out = tmp_path / "run"
     process = start(out, "--strategy", strategy)
     wait_for_training(out, process)
-    ranks = [process.pid, *children_of(process.pid)]
+    ranks = [process.pid, *other_ranks(process.pid)]
     assert len(ranks) == 2
     os.kill(ranks[0] if target == "rank 0" else ranks[1], signum)
     stdout, stderr = process.communicate(timeout=HANG)
@@ -185,20 +185,27 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step(tmp_path, strategy, s
     assert json.loads((out / "summary.json").read_text())["steps"] == step + 5
 
 
-def ranks_of(process: subprocess.Popen) -> list[int]:
-    """Rank 0's pid and the other ranks' (its children started with CORE_PARENT_PID), seen while rank 0 still runs.
+def other_ranks(pid: int) -> list[int]:
+    """The children of rank 0 (`pid`) that are ranks: started with CORE_PARENT_PID=pid in their environment.
 
     Rank 0 may also start short-lived helpers (a compiler probe, `ldconfig`); between fork and exec those still show
     rank 0's command line, but not an environment of their own, so the environment tells them apart."""
+    found = []
+    for child in children_of(pid):
+        try:
+            environment = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"CORE_PARENT_PID={pid}".encode() in environment:
+            found.append(child)
+    return found
+
+
+def ranks_of(process: subprocess.Popen) -> list[int]:
+    """Rank 0's pid and the other ranks', seen while rank 0 still runs."""
     seen = set()
     while process.poll() is None:
-        for pid in children_of(process.pid):
-            try:
-                environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"CORE_PARENT_PID={process.pid}".encode() in environment:
-                seen.add(pid)
+        seen.update(other_ranks(process.pid))
         time.sleep(0.02)
     return [process.pid, *seen]
 
@@ -255,6 +262,7 @@ def test_an_error_only_rank_1_sees_ends_every_rank(tmp_path):
     assert process.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
     assert "python -m autoencoder.train: error: rank 1 met bad data" in stderr
     assert "[core] rank 1 exited with code 2; stopping all ranks." in stderr
+    assert len(ranks) == 2
     time.sleep(0.5)
     assert not any(alive(pid) for pid in ranks), "a rank was left behind"
 
