@@ -249,14 +249,16 @@ class Fabric:
         plain_step = type(strategy).optimizer_step is SingleDevice.optimizer_step
         if plain_step and not self._precision.steps_through_scaler(optimizer):
             return optimizer.step
-        state, precision_step, seen = self._backward, self._precision.optimizer_step, [self._backward.count]
+        state, precision_step = self._backward, self._precision.optimizer_step
+        seen = state.count  # fabric.backward's count at this optimizer's last step
 
         def step(closure=None):
+            nonlocal seen
             if closure is not None:  # a closure runs its own fabric.backward inside the step
                 return strategy.optimizer_step(optimizer, module, closure=closure)
-            if state.required and state.count == seen[0]:
+            if state.required and state.count == seen:
                 raise state.missing()
-            seen[0] = state.count
+            seen = state.count
             return precision_step(optimizer) if plain_step else strategy.optimizer_step(optimizer, module)
         return step
 
