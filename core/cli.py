@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from core import checkpoint, launcher
+from core.errors import CoreValueError
 from core.precision import PRECISIONS
 from core.strategies import NEEDS, STRATEGIES, SingleDevice, check_installed, refusal
 from core.validation import ACCELERATORS, check_devices, device_kind, resolve_arguments
@@ -36,29 +37,31 @@ class FabricFlags:
         if self.accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
             build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
             build = f"torch {torch.__version__}, {build}"
-            raise ValueError(f"--accelerator {self.accelerator}, but {build} sees no CUDA device; "
-                             f"use --accelerator cpu or auto")
+            raise CoreValueError(f"--accelerator {self.accelerator}, but {build} sees no CUDA device; "
+                                 f"use --accelerator cpu or auto")
         try:
             check_installed(self.strategy, device_kind(self.accelerator))
         except ImportError as error:
-            raise ValueError(str(error)) from None
+            raise CoreValueError(str(error)) from None
         try:  # here, not at Fabric(): before the note below, so that a refusal is one line
             check_devices(self.devices, device_kind(self.accelerator), launcher.cluster_environment())
         except ValueError as error:
-            raise ValueError(f"--devices {self.devices}: {error}") from None
+            raise CoreValueError(f"--devices {self.devices}: {error}") from None
         if self.num_nodes < 1:
-            raise ValueError(f"--num-nodes must be >= 1, got {self.num_nodes}")
+            raise CoreValueError(f"--num-nodes must be >= 1, got {self.num_nodes}")
         if self.num_nodes > 1 and launcher.cluster_environment() is None:  # launcher.start's rule, before it starts
-            raise ValueError(f"--num-nodes {self.num_nodes} needs a launcher on every machine: run torchrun --nnodes "
-                             f"{self.num_nodes} --nproc-per-node N --node-rank R --master-addr HOST -m ... on each "
-                             f"(or srun under SLURM)")
+            raise CoreValueError(
+                f"--num-nodes {self.num_nodes} needs a launcher on every machine: run torchrun --nnodes "
+                f"{self.num_nodes} --nproc-per-node N --node-rank R --master-addr HOST -m ... on each "
+                f"(or srun under SLURM)")
         if self.strategy != "auto":  # auto is single or ddp, which give every need
             reason = refusal(self.strategy, self.precision, self.needs())
             if reason:
                 needed = "; ".join(NEEDS[need] for need in sorted(self.needs()))
-                raise ValueError(f"--strategy {self.strategy} cannot run this workload, which needs {needed}: {reason}")
+                raise CoreValueError(
+                    f"--strategy {self.strategy} cannot run this workload, which needs {needed}: {reason}")
         if self.collective_timeout <= 0:
-            raise ValueError(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout:g}")
+            raise CoreValueError(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout:g}")
         if self.precision in ("16-mixed", "16") and device_kind(self.accelerator) == "cpu" and \
                 self.strategy != "fsdp" and int(os.environ.get("RANK", "0")) == 0:  # fsdp refuses it with one line
             print("[core] --precision 16-mixed on the CPU: float16 autocast with a loss scaler, about 15x slower "

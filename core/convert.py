@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from core import checkpoint
+from core.errors import CoreValueError
 
 
 def convert(source, target) -> dict:
@@ -35,20 +36,20 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     try:
         if not args.source or not args.target:  # Path("") is the current folder
-            raise ValueError(f"the {'target' if args.source else 'source'} is empty; pass a run directory or a "
-                             f"checkpoint, then the plain file to write")
+            raise CoreValueError(f"the {'target' if args.source else 'source'} is empty; pass a run directory or a "
+                                 f"checkpoint, then the plain file to write")
         source = Path(args.source)
         if (source / "checkpoints" / "last.ckpt").exists():  # a run directory
             source = source / "checkpoints" / "last.ckpt"
         elif source.name == "checkpoints" and (source / "last.ckpt").exists():  # as --resume takes RUN/checkpoints
             source = source / "last.ckpt"
         if not source.exists():
-            raise ValueError(f"no checkpoint at {source}")
+            raise CoreValueError(f"no checkpoint at {source}")
         if Path(args.target).is_dir():  # the file would replace the folder and all it holds
-            raise ValueError(f"the target {args.target} is a folder; name the plain file to write, e.g. "
-                             f"{Path(args.target) / 'plain.ckpt'}")
+            raise CoreValueError(f"the target {args.target} is a folder; name the plain file to write, e.g. "
+                                 f"{Path(args.target) / 'plain.ckpt'}")
         if Path(args.target).resolve() == source.resolve():
-            raise ValueError(f"the target {args.target} is the checkpoint itself; write the plain file elsewhere")
+            raise CoreValueError(f"the target {args.target} is the checkpoint itself; write the plain file elsewhere")
         written = convert(source, args.target)
     except (ValueError, OSError) as error:  # CheckpointError is a ValueError
         parser.exit(2, f"{parser.prog}: error: {error}\n")

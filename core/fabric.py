@@ -15,14 +15,15 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from core import checkpoint, launcher, validation
+from core.errors import CoreRuntimeError, CoreTypeError, CoreValueError
 from core.nested import map_nested
 from core.precision import make_precision
 from core.seed import WorkerSeeder, global_seed, seed_workers
 from core.state import collect, restore
 from core.strategies import STRATEGIES, SingleDevice, make_strategy
 from core.loaders import FabricDataLoader, rebuild_loader, shard_loader
-from core.wrappers import (BackwardState, FabricModule, FabricOptimizer, compile_like, frozen_parameters, move_to,
-                           unwrap_compiled, wrap_optimizer)
+from core.wrappers import (BackwardState, FabricModule, FabricOptimizer, OptimizerStep, compile_like, frozen_parameters,
+                           move_to, unwrap_compiled, wrap_optimizer)
 
 
 _NO_FUNCTION = object()  # launch() without a function (None is refused, as Lightning refuses it)
@@ -56,8 +57,8 @@ class Fabric:
                  precision="32-true", needs=(), **strategy_options):
         drop_in = [name for name in _DROP_IN if name in strategy_options]
         if drop_in:
-            raise TypeError(f"Fabric({drop_in[0]}=...) is Lightning Fabric's, which core offers as a layer of its "
-                            f"own: `from core.compat import Fabric` takes it.")
+            raise CoreTypeError(f"Fabric({drop_in[0]}=...) is Lightning Fabric's, which core offers as a layer of its "
+                                f"own: `from core.compat import Fabric` takes it.")
         accelerator, strategy, devices, num_nodes, env = validation.resolve_arguments(
             accelerator, strategy, devices, num_nodes, self.strategies)
         kind = validation.device_kind(accelerator)
@@ -91,7 +92,7 @@ class Fabric:
         else:
             fn = None
         if self._launched:
-            raise RuntimeError("fabric.launch() was called twice; call it once, at the start of the run.")
+            raise CoreRuntimeError("fabric.launch() was called twice; call it once, at the start of the run.")
         if self._strategy.distributed:
             self._start_distributed(launcher.start(self._devices, self._num_nodes))
         self._launched = True
@@ -104,7 +105,7 @@ class Fabric:
 
     def _check_launched(self) -> None:
         if not self._launched and self._strategy.distributed:
-            raise RuntimeError(
+            raise CoreRuntimeError(
                 f"strategy={self._strategy.name!r} with {self._devices * self._num_nodes} process(es) needs the "
                 f"processes started first: call `fabric.launch()` before setup, or `fabric.launch(fn)`, or start "
                 f"the script with torchrun.")
@@ -122,8 +123,8 @@ class Fabric:
         validation.check_module(module, self._set_up_modules, self._strategy)
         validation.check_optimizers(optimizers, self._set_up_optimizers, self._strategy)
         if scheduler is not None and not optimizers:
-            raise ValueError("A scheduler was passed to setup without any optimizer; pass the optimizer it "
-                             "schedules too: setup(model, optimizer, scheduler=scheduler).")
+            raise CoreValueError("A scheduler was passed to setup without any optimizer; pass the optimizer it "
+                                 "schedules too: setup(model, optimizer, scheduler=scheduler).")
         validation.check_ownership(module, optimizers)
         module, compiled = unwrap_compiled(module)
         module = self._prepare(module, move_to_device)
@@ -149,22 +150,23 @@ class Fabric:
 
     def _check_split_setup(self) -> None:
         if self._strategy.joint_setup:
-            raise RuntimeError(f"The {self._strategy.name!r} strategy does not support setting up the module and "
-                               f"optimizer(s) independently: model and optimizers must be set up jointly. Use "
-                               f"`fabric.setup(model, *optimizers)`.")
+            raise CoreRuntimeError(f"The {self._strategy.name!r} strategy does not support setting up the module and "
+                                   f"optimizer(s) independently: model and optimizers must be set up jointly. Use "
+                                   f"`fabric.setup(model, *optimizers)`.")
 
     def _module_options(self, options: dict) -> dict:
         unknown = set(options) - {"ddp", "fsdp"}
         if unknown:
-            raise TypeError(f"Unknown setup arguments {sorted(unknown)}: per-module options are passed by strategy, "
-                            f"as ddp={{...}} or fsdp={{...}}.")
+            raise CoreTypeError(
+                f"Unknown setup arguments {sorted(unknown)}: per-module options are passed by strategy, "
+                f"as ddp={{...}} or fsdp={{...}}.")
         return dict(options.get(self._strategy.options_key, {}))
 
     def setup_optimizers(self, *optimizers):
         """Wrap optimizers built from the parameters of modules returned by setup_module."""
         self._check_split_setup()
         if not optimizers:
-            raise ValueError("`setup_optimizers` requires at least one optimizer.")
+            raise CoreValueError("`setup_optimizers` requires at least one optimizer.")
         validation.check_optimizers(optimizers, self._set_up_optimizers, self._strategy)
         wrapped = []
         for opt in optimizers:
@@ -179,14 +181,14 @@ class Fabric:
         sampler is shared out by ShardedSampler), move its batches to the device, and with
         seed_everything(workers=True) seed its workers' `random` and NumPy."""
         if not dataloaders:
-            raise ValueError("`setup_dataloaders` requires at least one dataloader.")
+            raise CoreValueError("`setup_dataloaders` requires at least one dataloader.")
         self._check_launched()
         wrapped = []
         for loader in dataloaders:
             if isinstance(loader, FabricDataLoader):
-                raise ValueError("A dataloader should be passed only once to the `setup_dataloaders` method.")
+                raise CoreValueError("A dataloader should be passed only once to the `setup_dataloaders` method.")
             if not isinstance(loader, DataLoader):
-                raise TypeError(f"setup_dataloaders takes torch DataLoaders, got {type(loader).__name__}.")
+                raise CoreTypeError(f"setup_dataloaders takes torch DataLoaders, got {type(loader).__name__}.")
             if use_distributed_sampler and self.world_size > 1:
                 loader = shard_loader(loader, self.world_size, self.global_rank, global_seed())
             if seed_workers() and loader.num_workers > 0 and not isinstance(loader.worker_init_fn, WorkerSeeder):
@@ -200,7 +202,7 @@ class Fabric:
         for wrapped in self._modules:
             if params & {id(p) for p in wrapped.parameters()}:
                 return wrapped
-        raise ValueError(
+        raise CoreValueError(
             f"{type(optimizer).__name__} updates no parameter of any module returned by setup_module (under fsdp, "
             f"an optimizer built before setup_module holds the unsharded parameters), and core needs that module: "
             f"checkpoints name the optimizer's state by its parameter names. Create the optimizer after "
@@ -221,8 +223,8 @@ class Fabric:
         guard = self._strategy.guard_submodules and forward_module is not module
         if compiled is not None:
             if not self._strategy.moves_module:
-                raise ValueError(f"strategy={self._strategy.name!r} runs the module inside its engine, which "
-                                 f"torch.compile cannot wrap from outside; set up the uncompiled module.")
+                raise CoreValueError(f"strategy={self._strategy.name!r} runs the module inside its engine, which "
+                                     f"torch.compile cannot wrap from outside; set up the uncompiled module.")
             forward_module = compiled if forward_module is module else compile_like(forward_module, compiled)
         wrapped = FabricModule(forward_module, module, self._precision, guard=guard)
         shares = self._strategy.parameter_shares()
@@ -242,25 +244,9 @@ class Fabric:
         return wrapped
 
     def _step_function(self, optimizer, module: FabricModule):
-        """What the set-up optimizer's `step(closure)` calls: the optimizer's own step where neither the strategy
-        nor the precision adds anything, else the strategy's step (the precision's, where the strategy adds nothing to
-        it) after the check that fabric.backward ran."""
-        strategy = self._strategy
-        plain_step = type(strategy).optimizer_step is SingleDevice.optimizer_step
-        if plain_step and not self._precision.steps_through_scaler(optimizer):
-            return optimizer.step
-        state, precision_step = self._backward, self._precision.optimizer_step
-        seen = state.count  # fabric.backward's count at this optimizer's last step
-
-        def step(closure=None):
-            nonlocal seen
-            if closure is not None:  # a closure runs its own fabric.backward inside the step
-                return strategy.optimizer_step(optimizer, module, closure=closure)
-            if state.required and state.count == seen:
-                raise state.missing()
-            seen = state.count
-            return precision_step(optimizer) if plain_step else strategy.optimizer_step(optimizer, module)
-        return step
+        """What the set-up optimizer's `step(closure)` calls: the strategy's step, after the check that
+        fabric.backward ran (an object, so that copies of the optimizer step themselves: wrappers.OptimizerStep)."""
+        return OptimizerStep(optimizer, module, self._strategy, self._backward)
 
     def _after_setup(self, module: nn.Module, wrapped: FabricModule, optimizers: list | None) -> None:
         """Called at the end of setup (`optimizers` is None for setup_module): nothing here; the drop-in layer
@@ -302,7 +288,7 @@ class Fabric:
         """Clip by value or by total norm (returns the norm before clipping). By norm, a NaN or infinite norm
         raises a RuntimeError unless `error_if_nonfinite=False` (Lightning's default, and torch's option)."""
         if (clip_val is None) == (max_norm is None):
-            raise ValueError("clip_gradients takes exactly one of clip_val or max_norm.")
+            raise CoreValueError("clip_gradients takes exactly one of clip_val or max_norm.")
         if max_norm is not None:
             return self._strategy.clip_gradients(module, optimizer.optimizer, max_norm, norm_type,
                                                  error_if_nonfinite=error_if_nonfinite)
@@ -318,7 +304,7 @@ class Fabric:
         """Skip gradient synchronisation of these modules (gradient accumulation)."""
         for m in modules:
             if not isinstance(m, FabricModule):
-                raise TypeError(f"no_backward_sync takes modules returned by setup, got {type(m).__name__}.")
+                raise CoreTypeError(f"no_backward_sync takes modules returned by setup, got {type(m).__name__}.")
         with ExitStack() as stack:
             if enabled:
                 for m in modules:
@@ -331,7 +317,7 @@ class Fabric:
         Gradients still flow through them to their inputs (the generator step of a GAN)."""
         for m in modules:
             if not isinstance(m, FabricModule):
-                raise TypeError(f"frozen takes modules returned by setup, got {type(m).__name__}.")
+                raise CoreTypeError(f"frozen takes modules returned by setup, got {type(m).__name__}.")
         for m in modules:
             m.__dict__["_frozen"] = True
         try:

@@ -5,6 +5,8 @@ import inspect
 
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
+from core.errors import CoreValueError
+
 
 class FabricDataLoader:
     """Iterates a DataLoader, calls `set_epoch` at each pass on every sampler of it that has one (its sampler,
@@ -77,8 +79,8 @@ def shard_loader(loader: DataLoader, world_size: int, rank: int, seed: int) -> D
     else:
         new_sampler = ShardedSampler(sampler, world_size, rank)
     if loader.batch_size is None:
-        raise ValueError("setup_dataloaders cannot shard a loader built with batch_sampler: build it with "
-                         "batch_size, or pass use_distributed_sampler=False and shard it yourself.")
+        raise CoreValueError("setup_dataloaders cannot shard a loader built with batch_sampler: build it with "
+                             "batch_size, or pass use_distributed_sampler=False and shard it yourself.")
     return rebuild_loader(loader, sampler=new_sampler)
 
 
@@ -126,10 +128,10 @@ def _rebuild_subclass(loader: DataLoader, options: dict, changes: dict) -> DataL
     if missing or refused:
         problem = (f"its __init__ takes {', '.join(missing)}, which it does not keep as attributes of the same names"
                    if missing else f"its __init__ does not take {', '.join(refused)}")
-        raise ValueError(f"setup_dataloaders must make {cls.__name__} again with {', '.join(changes)} changed, but "
-                         f"{problem}. Keep each __init__ argument as an attribute (self.NAME = NAME) and pass "
-                         f"**kwargs on to DataLoader, or pass use_distributed_sampler=False and give it a "
-                         f"DistributedSampler yourself.")
+        raise CoreValueError(f"setup_dataloaders must make {cls.__name__} again with {', '.join(changes)} changed, but "
+                             f"{problem}. Keep each __init__ argument as an attribute (self.NAME = NAME) and pass "
+                             f"**kwargs on to DataLoader, or pass use_distributed_sampler=False and give it a "
+                             f"DistributedSampler yourself.")
     return cls(**kwargs)
 
 

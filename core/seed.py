@@ -5,6 +5,8 @@ import random
 import numpy
 import torch
 
+from core.errors import CoreTypeError, CoreValueError
+
 SEED_VARIABLE, WORKERS_VARIABLE = "PL_GLOBAL_SEED", "PL_SEED_WORKERS"  # Lightning's names, so either seeds the other
 
 
@@ -17,13 +19,13 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     if seed is None:
         seed = int(os.environ.get(SEED_VARIABLE, 0))
     if isinstance(seed, bool) or isinstance(seed, float) and not seed.is_integer():
-        raise TypeError(f"seed must be a whole number, got {seed!r}.")
+        raise CoreTypeError(f"seed must be a whole number, got {seed!r}.")
     try:
         seed = int(seed)  # as Lightning: 42.0, a NumPy integer, "42", a one-element tensor
     except (TypeError, ValueError):
-        raise TypeError(f"seed must be a whole number, got {seed!r}.") from None
+        raise CoreTypeError(f"seed must be a whole number, got {seed!r}.") from None
     if not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
+        raise CoreValueError(f"seed must be in [0, 2**32), got {seed}.")
     # (the launcher's ranks and the loaders' workers read these two, as Lightning's do; nothing else is set)
     os.environ[SEED_VARIABLE] = str(seed)
     os.environ[WORKERS_VARIABLE] = str(int(workers))

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from core import launcher
+from core.errors import CoreRuntimeError, CoreTypeError, CoreValueError
 from core.strategies import STRATEGIES, check_installed
 from core.wrappers import FabricModule, FabricOptimizer
 
@@ -25,51 +26,52 @@ def check_devices(devices, kind: str, env: dict | None) -> int:
     if isinstance(devices, str) and devices.isdigit():
         devices = int(devices)
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        raise ValueError(f"devices must be a whole number >= 1 or 'auto', got {devices!r}.")
+        raise CoreValueError(f"devices must be a whole number >= 1 or 'auto', got {devices!r}.")
     if devices > available:
         what = "CUDA devices" if kind == "cuda" else "CPU cores (one process per core)"
-        raise ValueError(f"devices={devices} but this machine has {available} {what}. Use devices<={available}.")
+        raise CoreValueError(f"devices={devices} but this machine has {available} {what}. Use devices<={available}.")
     if env and env["local_world_size"] != devices:
-        raise ValueError(f"The launcher started {env['local_world_size']} processes per node but devices="
-                         f"{devices}. Pass devices={env['local_world_size']} (or 'auto').")
+        raise CoreValueError(f"The launcher started {env['local_world_size']} processes per node but devices="
+                             f"{devices}. Pass devices={env['local_world_size']} (or 'auto').")
     return devices
 
 
 def check_module(module, set_up, strategy) -> None:
     """A set-up module is refused; the same raw module again only where the strategy changes it in place."""
     if isinstance(module, FabricModule):
-        raise ValueError("A model should be passed only once to the `setup` method: this one is already "
-                         "set up. Pass the original module, or keep using the set-up one.")
+        raise CoreValueError("A model should be passed only once to the `setup` method: this one is already "
+                             "set up. Pass the original module, or keep using the set-up one.")
     if not isinstance(module, nn.Module):
-        raise TypeError(f"setup takes an nn.Module first, got {type(module).__name__}.")
+        raise CoreTypeError(f"setup takes an nn.Module first, got {type(module).__name__}.")
     if module in set_up and strategy.changes_module:
-        raise ValueError(f"This {type(module).__name__} was set up already, and strategy={strategy.name!r} changed "
-                         f"it in place (its parameters are now sharded or held by an engine), so it cannot be set "
-                         f"up again; use the module setup returned.")
+        raise CoreValueError(f"This {type(module).__name__} was set up already, and strategy={strategy.name!r} changed "
+                             f"it in place (its parameters are now sharded or held by an engine), so it cannot be set "
+                             f"up again; use the module setup returned.")
 
 
 def check_optimizers(optimizers, set_up, strategy) -> None:
     for opt in optimizers:
         if isinstance(opt, FabricOptimizer):
-            raise ValueError("An optimizer should be passed only once to the `setup` method.")
+            raise CoreValueError("An optimizer should be passed only once to the `setup` method.")
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"Expected torch.optim.Optimizer objects, got {type(opt).__name__}.")
+            raise CoreTypeError(f"Expected torch.optim.Optimizer objects, got {type(opt).__name__}.")
         if opt in set_up and strategy.changes_module:
-            raise ValueError(f"This {type(opt).__name__} was set up already, and strategy={strategy.name!r} changed "
-                             f"it in place; use the optimizer setup returned.")
+            raise CoreValueError(
+                f"This {type(opt).__name__} was set up already, and strategy={strategy.name!r} changed "
+                f"it in place; use the optimizer setup returned.")
 
 def check_ownership(module: nn.Module, optimizers) -> None:
     own = {id(p) for p in module.parameters()}
     for i, opt in enumerate(optimizers):
         foreign = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in own)
         if foreign:
-            raise ValueError(f"Optimizer {i} ({type(opt).__name__}) has {foreign} parameter(s) that do not "
-                             f"belong to the {type(module).__name__} it is set up with (a checkpoint names an "
-                             f"optimizer's state by its module's parameter names, and under ddp only the module's "
-                             f"wrapper synchronises gradients). Set each optimizer up with the module whose "
-                             f"parameters it updates; group two models that share one under one nn.Module; "
-                             f"register a free nn.Parameter on the model before setup "
-                             f"(`model.log_alpha = nn.Parameter(...)`).")
+            raise CoreValueError(f"Optimizer {i} ({type(opt).__name__}) has {foreign} parameter(s) that do not "
+                                 f"belong to the {type(module).__name__} it is set up with (a checkpoint names an "
+                                 f"optimizer's state by its module's parameter names, and under ddp only the module's "
+                                 f"wrapper synchronises gradients). Set each optimizer up with the module whose "
+                                 f"parameters it updates; group two models that share one under one nn.Module; "
+                                 f"register a free nn.Parameter on the model before setup "
+                                 f"(`model.log_alpha = nn.Parameter(...)`).")
 
 
 def module_of_loss(loss: torch.Tensor, modules: list) -> FabricModule:
@@ -90,25 +92,26 @@ def module_of_loss(loss: torch.Tensor, modules: list) -> FabricModule:
     if len(owners) == 1:
         return owners[0]
     names = ", ".join(type(m.module).__name__ for m in owners) or "none"
-    raise ValueError(f"Cannot tell which set-up model this loss is for: it reaches the parameters of {names}. "
-                     f"Pass it: `fabric.backward(loss, model=generator)`, or exclude the other model with "
-                     f"`with fabric.frozen(discriminator): ...` around its forward.")
+    raise CoreValueError(f"Cannot tell which set-up model this loss is for: it reaches the parameters of {names}. "
+                         f"Pass it: `fabric.backward(loss, model=generator)`, or exclude the other model with "
+                         f"`with fabric.frozen(discriminator): ...` around its forward.")
 
 
 def check_launch_function(fn, args: tuple, kwargs: dict) -> None:
     """fabric.launch(fn, *args, **kwargs) runs fn(fabric, *args, **kwargs) in every process: check that fn takes
     those arguments before any process starts."""
     if not callable(fn):
-        raise TypeError(f"fabric.launch(fn) takes a function to run in every process, got {fn!r}; call "
-                        f"fabric.launch() without arguments to start the processes and go on in this script.")
+        raise CoreTypeError(f"fabric.launch(fn) takes a function to run in every process, got {fn!r}; call "
+                            f"fabric.launch() without arguments to start the processes and go on in this script.")
     try:
         inspect.signature(fn).bind(object(), *args, **kwargs)
     except TypeError:
         name = getattr(fn, "__name__", "fn")
-        raise TypeError(f"fabric.launch({name}, ...) calls {name}(fabric, *args, **kwargs) with the Fabric first and "
-                        f"then the arguments launch was given ({len(args)} positional, keywords {sorted(kwargs)}), "
-                        f"which its signature {inspect.signature(fn)} does not take: define it as "
-                        f"`def {name}(fabric, ...)`.") from None
+        raise CoreTypeError(
+            f"fabric.launch({name}, ...) calls {name}(fabric, *args, **kwargs) with the Fabric first and "
+            f"then the arguments launch was given ({len(args)} positional, keywords {sorted(kwargs)}), "
+            f"which its signature {inspect.signature(fn)} does not take: define it as "
+            f"`def {name}(fabric, ...)`.") from None
     except ValueError:  # a builtin without a readable signature: let the call say
         pass
 
@@ -120,7 +123,8 @@ def reduce_op(op):
         return op
     names = {"mean": "mean", "avg": "mean", "sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
     if not isinstance(op, str) or op.lower() not in names:
-        raise ValueError(f"reduce_op must be one of {', '.join(names)} or a torch.distributed.ReduceOp, got {op!r}.")
+        raise CoreValueError(
+            f"reduce_op must be one of {', '.join(names)} or a torch.distributed.ReduceOp, got {op!r}.")
     name = names[op.lower()]
     return "mean" if name == "mean" else getattr(dist.ReduceOp, name)
 
@@ -148,12 +152,12 @@ def resolve_arguments(accelerator, strategy, devices, num_nodes, strategies=STRA
     """Fabric's arguments checked, with `auto` resolved: (accelerator, strategy, devices, num_nodes, the
     launcher's environment). `strategies`: the table of the names the Fabric takes."""
     if accelerator not in ACCELERATORS:
-        raise ValueError(f"Unknown accelerator {accelerator!r}. Choose one of: {', '.join(ACCELERATORS)}.")
+        raise CoreValueError(f"Unknown accelerator {accelerator!r}. Choose one of: {', '.join(ACCELERATORS)}.")
     if strategy != "auto" and strategy not in strategies:
-        raise ValueError(unknown_strategy(strategy, strategies))
+        raise CoreValueError(unknown_strategy(strategy, strategies))
     if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
-        raise RuntimeError(f"accelerator={accelerator!r} but no CUDA device is visible to torch. "
-                           f"Use accelerator='cpu' (or 'auto').")
+        raise CoreRuntimeError(f"accelerator={accelerator!r} but no CUDA device is visible to torch. "
+                               f"Use accelerator='cpu' (or 'auto').")
     kind = device_kind(accelerator)
     check_installed(strategy, kind)
     env = launcher.cluster_environment()
@@ -161,10 +165,10 @@ def resolve_arguments(accelerator, strategy, devices, num_nodes, strategies=STRA
     if isinstance(num_nodes, str) and num_nodes.isdigit():
         num_nodes = int(num_nodes)
     if not isinstance(num_nodes, int) or num_nodes < 1:
-        raise ValueError(f"num_nodes must be a whole number >= 1, got {num_nodes!r}.")
+        raise CoreValueError(f"num_nodes must be a whole number >= 1, got {num_nodes!r}.")
     if strategy == "auto":
         strategy = "ddp" if devices * num_nodes > 1 or (env and env["world_size"] > 1) else "single"
     if strategy == "single" and devices * num_nodes > 1:
-        raise ValueError(f"strategy='single' runs one process, but devices={devices} and num_nodes={num_nodes}. "
-                         f"Use strategy='ddp' (or fsdp, deepspeed) for several.")
+        raise CoreValueError(f"strategy='single' runs one process, but devices={devices} and num_nodes={num_nodes}. "
+                             f"Use strategy='ddp' (or fsdp, deepspeed) for several.")
     return accelerator, strategy, devices, num_nodes, env

@@ -9,8 +9,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from core.errors import CoreRuntimeError, CoreTypeError, CoreValueError
 from core.nested import map_nested
-
+from core.shared import resolve, share
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")  # a LightningModule's
 
@@ -27,10 +28,36 @@ class BackwardState:
 
     def missing(self) -> RuntimeError:
         """The error of an optimizer that found no fabric.backward since its last step."""
-        return RuntimeError("optimizer.step() found no fabric.backward(loss) since its last step: loss.backward() "
-                            "was called where this strategy or precision needs fabric.backward(loss) (DeepSpeed's "
-                            "engine runs the backward, 16-mixed scales the loss). Replace loss.backward() with "
-                            "fabric.backward(loss).")
+        return CoreRuntimeError("optimizer.step() found no fabric.backward(loss) since its last step: loss.backward() "
+                                "was called where this strategy or precision needs fabric.backward(loss) (DeepSpeed's "
+                                "engine runs the backward, 16-mixed scales the loss). Replace loss.backward() with "
+                                "fabric.backward(loss).")
+
+
+class OptimizerStep:
+    """What a set-up optimizer's `step(closure)` runs: where the strategy or precision needs fabric.backward (an
+    engine's backward, a loss scaler), the check that it ran since this optimizer's last step; then the strategy's
+    step (the precision's: through the loss scaler, if any). An object rather than a closure, so that a copy of the
+    set-up optimizer (`copy.deepcopy`, pickle) steps the copied optimizer, through the same Fabric."""
+
+    def __init__(self, optimizer, module, strategy, backward: BackwardState):
+        self.optimizer, self.module, self.strategy, self.backward = optimizer, module, strategy, backward
+        self.seen = backward.count  # fabric.backward's count at this optimizer's last step
+
+    def __call__(self, closure=None):
+        if closure is not None:  # a closure runs its own fabric.backward inside the step
+            return self.strategy.optimizer_step(self.optimizer, self.module, closure=closure)
+        backward = self.backward
+        if backward.required and backward.count == self.seen:
+            raise backward.missing()
+        self.seen = backward.count
+        return self.strategy.optimizer_step(self.optimizer, self.module)
+
+    def __getstate__(self):
+        return share(self.__dict__, "strategy", "backward")
+
+    def __setstate__(self, state):
+        self.__dict__.update(resolve(state, "strategy", "backward"))
 
 
 class FabricModule(nn.Module):
@@ -115,41 +142,16 @@ class FabricModule(nn.Module):
             owner = getattr(name, "__self__", None)
             if owner is not self and owner is not self._original_module:
                 kind = type(self._original_module).__name__
-                raise ValueError(f"mark_forward_method takes a method of this model ({kind}), got {name!r}; pass "
-                                 f"the method's name or `model.method`.")
+                raise CoreValueError(f"mark_forward_method takes a method of this model ({kind}), got {name!r}; pass "
+                                     f"the method's name or `model.method`.")
             name = name.__name__
         if not isinstance(name, str):
-            raise TypeError(f"mark_forward_method takes a method or its name, got {name!r}.")
+            raise CoreTypeError(f"mark_forward_method takes a method or its name, got {name!r}.")
         if not callable(getattr(self._original_module, name, None)):
             raise AttributeError(f"{type(self._original_module).__name__} has no method {name!r} to mark.")
         if name == "forward":
-            raise ValueError("forward already goes through the wrapper; mark other methods only.")
-        self.__dict__[name] = self._redirected(name)  # beats nn.Module's own methods of the same name
-
-    def _redirected(self, name: str):
-        method = getattr(self._original_module, name)
-        wrapper = weakref.ref(self)  # the method is stored on the wrapper: a strong reference would be a cycle
-
-        def call(*args, **kwargs):
-            this = wrapper()
-            original = this._original_module
-            own_forward = original.__dict__.get("forward")  # a forward set on the instance by its user
-
-            def put_back():
-                if own_forward is None:
-                    original.__dict__.pop("forward", None)
-                else:
-                    original.__dict__["forward"] = own_forward
-
-            def once(*inner_args, **inner_kwargs):
-                put_back()  # inside the method, `self(...)` is the module's own forward again
-                return method(*inner_args, **inner_kwargs)
-            original.__dict__["forward"] = once  # the strategy wrapper calls the module, which runs `once`
-            try:
-                return FabricModule.forward(this, *args, **kwargs)
-            finally:
-                put_back()
-        return call
+            raise CoreValueError("forward already goes through the wrapper; mark other methods only.")
+        self.__dict__[name] = MarkedMethod(self, name)  # beats nn.Module's own methods of the same name
 
     def __getattr__(self, name: str):
         try:
@@ -168,6 +170,44 @@ class FabricModule(nn.Module):
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self._original_module.named_buffers(prefix, recurse, remove_duplicate)
+
+
+class MarkedMethod:
+    """`wrapped.<name>(...)` of a method marked with `mark_forward_method`: the call runs through the strategy
+    wrapper's forward, with the original module's forward standing in for the method for that one call. An object
+    holding the wrapper and the name rather than a closure over the method, so that a copy of the set-up module
+    (`copy.deepcopy`, pickle) calls the copy's own method."""
+
+    def __init__(self, wrapper: FabricModule, name: str):
+        self.wrapper = weakref.ref(wrapper)  # stored on the wrapper: a strong reference would be a cycle
+        self.name = name
+
+    def __getstate__(self):
+        return {"wrapper": self.wrapper(), "name": self.name}
+
+    def __setstate__(self, state):
+        self.wrapper, self.name = weakref.ref(state["wrapper"]), state["name"]
+
+    def __call__(self, *args, **kwargs):
+        wrapper = self.wrapper()
+        original = wrapper._original_module
+        method = getattr(original, self.name)
+        own_forward = original.__dict__.get("forward")  # a forward set on the instance by its user
+
+        def put_back():
+            if own_forward is None:
+                original.__dict__.pop("forward", None)
+            else:
+                original.__dict__["forward"] = own_forward
+
+        def once(*inner_args, **inner_kwargs):
+            put_back()  # inside the method, `self(...)` is the module's own forward again
+            return method(*inner_args, **inner_kwargs)
+        original.__dict__["forward"] = once  # the strategy wrapper calls the module, which runs `once`
+        try:
+            return FabricModule.forward(wrapper, *args, **kwargs)
+        finally:
+            put_back()
 
 
 class _SubmoduleGuard:
@@ -200,7 +240,7 @@ class _SubmoduleGuard:
         kind = type(wrapper._original_module).__name__
         what, call = (f"The set-up {kind}", "model.module(x)") if self.name is None else \
             (f"Submodule {self.name!r} of the set-up {kind}", f"model.{self.name}(x)")
-        raise RuntimeError(
+        raise CoreRuntimeError(
             f"{what} was called outside its distributed wrapper (as `{call}`, or inside a method that is not "
             f"marked), so its gradients would not be synchronised across processes. Call the set-up model "
             f"itself, or route the method through the wrapper with `model.mark_forward_method('name')`. Calls "
@@ -218,7 +258,7 @@ class FabricOptimizer:
     _own = frozenset({"_optimizer", "_step", "step"})  # what the wrapper itself holds; all else is the original's
 
     def __init__(self):  # never called: instances are made by wrap_optimizer
-        raise TypeError("use Fabric.setup_optimizers to wrap an optimizer")
+        raise CoreTypeError("use Fabric.setup_optimizers to wrap an optimizer")
 
     def __getattr__(self, name):  # only for what neither the instance nor the class has
         try:
@@ -258,11 +298,10 @@ class FabricOptimizer:
     def add_param_group(self, param_group):
         self._optimizer.add_param_group(param_group)
 
-    def __getstate__(self):
-        return self.__dict__
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
+    def __reduce__(self):
+        """Copied and pickled as its optimizer and step (both copied): its class is made at run time, and what
+        else an instance holds (a step an LR scheduler patched in) is left behind, as torch's Optimizer leaves it."""
+        return wrap_optimizer, (self._optimizer, self._step)
 
     def __repr__(self):
         return f"Fabric{self._optimizer!r}"

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from core import CheckpointError, Fabric, launcher, seed_everything
 from core.loaders import FabricDataLoader
 from core.wrappers import FabricModule, move_to
+from tests.conftest import run
 
 
 def mlp(seed=0, width=8):
@@ -340,6 +341,16 @@ class TestPrecision:
                 copied.module.weight.zero_()
                 copied.module.bias.zero_()
             assert torch.equal(copied(x), torch.zeros(2, 4)) and model(x).abs().sum() > 0
+
+    def test_a_set_up_model_unpickled_in_another_process_is_refused_with_what_to_do(self, tmp_path):
+        """A set-up object runs through its process's Fabric: another process has none, so unpickling it there is
+        refused, naming what to pickle instead; in the same process the copy shares the Fabric (the contract test)."""
+        model = Fabric(accelerator="cpu", precision="bf16-mixed").setup(nn.Linear(4, 4))
+        (tmp_path / "model.pkl").write_bytes(pickle.dumps(model))
+        result = run(["-c", f"import pickle; pickle.loads(open({str(tmp_path / 'model.pkl')!r}, 'rb').read())"],
+                     check=False)
+        assert result.returncode == 1 and "core.errors.CoreRuntimeError: This set-up model or optimizer was pickled " \
+            "in process" in result.stderr and "Pickle what it holds instead (`model.module`" in result.stderr
 
     def test_bf16_true_converts_module_and_inputs(self):
         fabric = Fabric(accelerator="cpu", precision="bf16-true")

@@ -254,7 +254,7 @@ def test_the_workload_readmes_state_the_registrys_quality_targets(workload):
 # core's layers, bottom up: a module imports only from its own layer or the ones below (the longest name that
 # prefixes a module places it). Adding a strategy or a precision touches its own file and its table's line.
 CORE_LAYERS = [
-    ["core.seed", "core.nested", "core.checkpoint.files", "core.precision"],  # leaves
+    ["core.errors", "core.shared", "core.seed", "core.nested", "core.checkpoint.files", "core.precision"],  # leaves
     ["core.wrappers", "core.loaders"],  # what setup hands back: FabricModule, FabricOptimizer, FabricDataLoader
     ["core.checkpoint"],  # the formats behind one table (one file, sharded, DeepSpeed)
     ["core.launcher"],  # starting, watching and ending the processes
@@ -322,3 +322,18 @@ def test_the_workloads_run_on_core_without_the_lightning_drop_in():
         for script in ("train", "train_torch"):
             drop_in = sorted(m for m in reached(f"{workload}.{script}", set()) if m.split(".")[:2] == ["core", "compat"])
             assert not drop_in, f"{workload}.{script} reaches the Lightning drop-in: {drop_in}"
+
+
+def test_core_raises_its_own_errors():
+    """A refusal core raises is a CoreError (its subclasses are still ValueError, TypeError and RuntimeError), so a
+    caller and the contract test can tell it from a crash; the Lightning drop-in keeps Lightning's plain ones."""
+    bare = []
+    for path in sorted((ROOT / "core").rglob("*.py")):
+        if "compat" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            raised = node.exc if isinstance(node, ast.Raise) else node.value if isinstance(node, ast.Return) else None
+            if isinstance(raised, ast.Call) and isinstance(raised.func, ast.Name) and \
+                    raised.func.id in ("ValueError", "TypeError", "RuntimeError"):
+                bare.append(f"{path.relative_to(ROOT)}:{node.lineno} {raised.func.id}")
+    assert not bare, f"raise core's own error (core.errors) instead: {bare}"

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from core.errors import CoreValueError
+
 STATE = "state.pt"  # in a sharded or DeepSpeed checkpoint directory: everything that is not a tensor
 
 FORMAT = "core-checkpoint"
@@ -40,7 +42,7 @@ def trusted(allow: bool = True):
         _weights_only.reset(token)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(CoreValueError):
     """A checkpoint that cannot be used: missing, corrupt, foreign, unsafe, or not matching the run."""
 
 
@@ -246,7 +248,7 @@ def save_file(state: dict, path) -> None:
         else:
             out[key] = value
     if MARKER in out:
-        raise ValueError(f"{MARKER!r} is the name of the checkpoint's own entry; name the state's entry otherwise.")
+        raise CoreValueError(f"{MARKER!r} is the name of the checkpoint's own entry; name the state's entry otherwise.")
     atomic_save({**out, MARKER: {"version": FILE_VERSION, "optimizers": optimizers}}, path)
 
 

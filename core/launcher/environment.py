@@ -5,6 +5,8 @@ import sys
 
 import torch
 
+from core.errors import CoreValueError
+
 
 def cluster_environment() -> dict | None:
     """Ranks given by an outside launcher (torchrun or SLURM), or None when the script runs alone."""
@@ -51,8 +53,8 @@ def threads_per_process(processes_on_this_machine: int, announce: bool = True) -
     chosen = os.environ.get("OMP_NUM_THREADS", "").strip()
     if chosen:
         if not chosen.isdigit() or int(chosen) < 1:
-            raise ValueError(f"OMP_NUM_THREADS={chosen!r} is not a whole number >= 1; set it to the threads each "
-                             f"process should use, or unset it to share the cores between the processes.")
+            raise CoreValueError(f"OMP_NUM_THREADS={chosen!r} is not a whole number >= 1; set it to the threads each "
+                                 f"process should use, or unset it to share the cores between the processes.")
         return int(chosen)
     cores = _usable_cores()
     threads = max(1, cores // processes_on_this_machine)

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-
+from core.errors import CoreRuntimeError
 from core.launcher import children, stores
 from core.launcher.environment import cluster_environment, set_threads
 
@@ -15,13 +15,13 @@ def start(devices: int, num_nodes: int) -> dict:
     env = cluster_environment()
     if env is None:
         if num_nodes > 1:
-            raise RuntimeError(f"num_nodes={num_nodes} needs an outside launcher: on each node run `torchrun "
-                               f"--nnodes {num_nodes} --nproc-per-node {devices} --node-rank R --master-addr HOST "
-                               f"script.py ...` (or srun under SLURM).")
+            raise CoreRuntimeError(f"num_nodes={num_nodes} needs an outside launcher: on each node run `torchrun "
+                                   f"--nnodes {num_nodes} --nproc-per-node {devices} --node-rank R --master-addr HOST "
+                                   f"script.py ...` (or srun under SLURM).")
         return rerun_for_other_ranks(devices) if devices > 1 else solo_environment()
     if env["world_size"] != devices * num_nodes:
-        raise RuntimeError(f"The launcher started {env['world_size']} processes, but devices={devices} x "
-                           f"num_nodes={num_nodes} = {devices * num_nodes}. Make them agree.")
+        raise CoreRuntimeError(f"The launcher started {env['world_size']} processes, but devices={devices} x "
+                               f"num_nodes={num_nodes} = {devices * num_nodes}. Make them agree.")
     set_threads(env["local_world_size"], announce=env["local_rank"] == 0)
     children.watch_parent()
     return env
@@ -43,9 +43,9 @@ def _this_command() -> list[str]:
         name = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
         return [sys.executable, "-m", name, *sys.argv[1:]]
     if not getattr(main, "__file__", None):
-        raise RuntimeError("strategy='ddp' re-runs your script for the other ranks, but this process was not "
-                           "started from a script (an interactive session or notebook). Use "
-                           "strategy='ddp_spawn' with fabric.launch(fn), or start the script with torchrun.")
+        raise CoreRuntimeError("strategy='ddp' re-runs your script for the other ranks, but this process was not "
+                               "started from a script (an interactive session or notebook). Use "
+                               "strategy='ddp_spawn' with fabric.launch(fn), or start the script with torchrun.")
     return [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]]
 
 

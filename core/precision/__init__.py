@@ -12,6 +12,7 @@ PRECISIONS maps each name to its class; a new mode is one class and one entry he
 """
 import torch
 
+from core.errors import CoreTypeError, CoreValueError
 from core.precision.base import Precision, cast_floats  # noqa: F401
 from core.precision.mixed import BFloat16Mixed, Float16Mixed
 from core.precision.true import BFloat16True, Float16True, Float64True
@@ -24,7 +25,7 @@ ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mix
 def register_precision(name: str, mode: type) -> None:
     """Make `Fabric(precision=name)` build `mode(device)`, a subclass of Precision."""
     if not (isinstance(mode, type) and issubclass(mode, Precision)):
-        raise TypeError(f"A precision mode is a subclass of core.precision.Precision, got {mode!r}.")
+        raise CoreTypeError(f"A precision mode is a subclass of core.precision.Precision, got {mode!r}.")
     PRECISIONS[name] = mode
 
 
@@ -34,8 +35,8 @@ def make_precision(name, device: torch.device) -> Precision:
         name = str(name)
     name = ALIASES.get(name, name) if isinstance(name, str) else name
     if not isinstance(name, str) or name not in PRECISIONS:
-        raise ValueError(f"Unknown precision {name!r}. Choose one of: {', '.join(PRECISIONS)} (or the aliases "
-                         f"{', '.join(ALIASES)}, also as ints).")
+        raise CoreValueError(f"Unknown precision {name!r}. Choose one of: {', '.join(PRECISIONS)} (or the aliases "
+                             f"{', '.join(ALIASES)}, also as ints).")
     mode = PRECISIONS[name](device)
     mode.name = name  # the name it was registered under
     return mode

@@ -10,7 +10,9 @@ from contextlib import nullcontext
 
 import torch
 
+from core.errors import CoreValueError
 from core.nested import map_nested
+from core.shared import resolve, share
 
 
 def cast_floats(data, dtype):
@@ -23,16 +25,25 @@ def cast_floats(data, dtype):
 
 class ModeForward:
     """`module`'s forward under `mode` (Precision.forward_of). An object rather than a closure, so that copying a
-    set-up module (`copy.deepcopy`, pickle) copies the module it calls."""
+    set-up module (`copy.deepcopy`, pickle) copies the module it calls, and shares the mode (core/shared.py)."""
 
-    __slots__ = ("module", "mode")
+    __slots__ = ("module", "mode", "converts_input")
 
     def __init__(self, module: torch.nn.Module, mode: "Precision"):
         self.module, self.mode = module, mode
+        self.converts_input = type(mode).convert_input is not Precision.convert_input  # mixed modes: not
+
+    def __getstate__(self):
+        return share({name: getattr(self, name) for name in self.__slots__}, "mode")
+
+    def __setstate__(self, state):
+        for name, value in resolve(state, "mode").items():
+            setattr(self, name, value)
 
     def __call__(self, *args, **kwargs):
         mode = self.mode
-        args, kwargs = mode.convert_input((args, kwargs))
+        if self.converts_input:
+            args, kwargs = mode.convert_input((args, kwargs))
         with mode.forward_context():
             output = self.module(*args, **kwargs)
         return mode.convert_output(output)
@@ -140,6 +151,6 @@ class Precision:
     def deepspeed_config(self) -> dict:
         """The DeepSpeed config entries of this mode (a mode in another dtype than float32 must say its own)."""
         if self.dtype != torch.float32:
-            raise ValueError(f"precision={self.name!r} has no DeepSpeed config: its class does not define "
-                             f"deepspeed_config(), so the engine would run in float32 on {self.dtype} inputs.")
+            raise CoreValueError(f"precision={self.name!r} has no DeepSpeed config: its class does not define "
+                                 f"deepspeed_config(), so the engine would run in float32 on {self.dtype} inputs.")
         return {}

@@ -2,13 +2,15 @@
 loss scaler."""
 import torch
 
+from core.errors import CoreValueError
 from core.precision.base import Precision, cast_floats
 
 
 def check_bfloat16(name: str, device: torch.device) -> None:
     if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise ValueError(f"precision={name!r} needs bfloat16, which {torch.cuda.get_device_name(device)} does not "
-                         f"support natively (emulated bfloat16 is slower than float32). Use '16-mixed' or '32-true'.")
+        raise CoreValueError(
+            f"precision={name!r} needs bfloat16, which {torch.cuda.get_device_name(device)} does not "
+            f"support natively (emulated bfloat16 is slower than float32). Use '16-mixed' or '32-true'.")
 
 
 class BFloat16Mixed(Precision):
@@ -52,8 +54,8 @@ class Float16Mixed(BFloat16Mixed):
             self.scaler = torch.amp.GradScaler(self.device_type)
 
     def fsdp_policy(self):
-        raise ValueError("precision='16-mixed' is not supported with strategy='fsdp' (it would need a sharded loss "
-                         "scaler). Use 'bf16-mixed', 'bf16-true' or '32-true'.")
+        raise CoreValueError("precision='16-mixed' is not supported with strategy='fsdp' (it would need a sharded loss "
+                             "scaler). Use 'bf16-mixed', 'bf16-true' or '32-true'.")
 
     def deepspeed_config(self) -> dict:
         return {"fp16": {"enabled": True}}

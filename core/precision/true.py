@@ -3,6 +3,7 @@ from contextlib import contextmanager
 
 import torch
 
+from core.errors import CoreValueError
 from core.precision.base import Precision, cast_floats
 from core.precision.mixed import check_bfloat16
 
@@ -66,4 +67,5 @@ class Float64True(TruePrecision):
     dtype = torch.float64
 
     def deepspeed_config(self) -> dict:
-        raise ValueError("DeepSpeed has no float64 mode. Use precision='32-true' (or a bf16/16 mode) under deepspeed.")
+        raise CoreValueError(
+            "DeepSpeed has no float64 mode. Use precision='32-true' (or a bf16/16 mode) under deepspeed.")

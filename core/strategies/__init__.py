@@ -16,6 +16,7 @@ import inspect
 
 import torch
 
+from core.errors import CoreTypeError, CoreValueError
 from core.strategies.ddp import DDP
 from core.strategies.single import SingleDevice
 
@@ -46,10 +47,10 @@ def register_strategy(name: str, strategy, **options) -> None:
     """Make `Fabric(strategy=name)` build `strategy(device, precision, **options, **user_options)`;
     `strategy` is a subclass of SingleDevice, or "module:Class" to import when the name is chosen."""
     if not (isinstance(strategy, str) or isinstance(strategy, type) and issubclass(strategy, SingleDevice)):
-        raise TypeError(f"A strategy is a subclass of core.strategies.SingleDevice (or 'module:Class'), "
-                        f"got {strategy!r}.")
+        raise CoreTypeError(f"A strategy is a subclass of core.strategies.SingleDevice (or 'module:Class'), "
+                            f"got {strategy!r}.")
     if name == "auto":
-        raise ValueError("'auto' is not a strategy's name: it picks single or ddp by the number of processes.")
+        raise CoreValueError("'auto' is not a strategy's name: it picks single or ddp by the number of processes.")
     STRATEGIES[name] = (strategy, options)
 
 
@@ -66,7 +67,7 @@ def refusal(name: str, precision: str, needs, user_options: dict | None = None, 
     """Why strategy `name` cannot give a script what it `needs` (None where it can)."""
     unknown = sorted(set(needs) - set(NEEDS))
     if unknown:
-        raise ValueError(f"Unknown needs {unknown}; a script may say it needs: {', '.join(NEEDS)}.")
+        raise CoreValueError(f"Unknown needs {unknown}; a script may say it needs: {', '.join(NEEDS)}.")
     if not needs:
         return None
     cls, options = strategy_class(name, strategies)
@@ -79,19 +80,19 @@ def make_strategy(name: str, device: torch.device, precision, user_options: dict
     script that needs `needs` (refused here, with the reason, where the strategy cannot give it)."""
     reason = refusal(name, precision.name, needs, user_options, strategies)
     if reason:
-        raise ValueError(f"strategy={name!r} cannot give this script {', '.join(sorted(needs))}: {reason}.")
+        raise CoreValueError(f"strategy={name!r} cannot give this script {', '.join(sorted(needs))}: {reason}.")
     cls, options = strategy_class(name, strategies)
     fixed = sorted(set(options) & set(user_options))
     if fixed:
-        raise ValueError(f"strategy={name!r} sets {fixed} itself; drop them, or choose a strategy whose name does "
-                         f"not fix them.")
+        raise CoreValueError(f"strategy={name!r} sets {fixed} itself; drop them, or choose a strategy whose name does "
+                             f"not fix them.")
     parameters = inspect.signature(cls.__init__).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
         takes = sorted(set(parameters) - {"self", "device", "precision"} - set(options))
         unknown = sorted(set(user_options) - set(takes))
         if unknown:
-            raise TypeError(f"Fabric() got {unknown}, which strategy={name!r} does not take. Its options: "
-                            f"{', '.join(takes) or 'none'}.")
+            raise CoreTypeError(f"Fabric() got {unknown}, which strategy={name!r} does not take. Its options: "
+                                f"{', '.join(takes) or 'none'}.")
     strategy = cls.__new__(cls)
     strategy.name = name  # its registry name, for its messages from __init__ on
     strategy.needs = frozenset(needs)  # before __init__, which may build its config from them

@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from core import launcher
+from core.errors import CoreRuntimeError, CoreTypeError, CoreValueError
 from core.strategies.single import SingleDevice
 
 
@@ -22,9 +23,10 @@ def cuda_index(local_rank: int) -> int:
         return local_rank
     if visible == 1:
         return 0
-    raise RuntimeError(f"LOCAL_RANK is {local_rank} but this process sees {visible} GPUs (cuda:0 to cuda:{visible - 1})"
-                       f": start at most {visible} processes per node, or give each process its own GPU with "
-                       f"CUDA_VISIBLE_DEVICES.")
+    raise CoreRuntimeError(
+        f"LOCAL_RANK is {local_rank} but this process sees {visible} GPUs (cuda:0 to cuda:{visible - 1})"
+        f": start at most {visible} processes per node, or give each process its own GPU with "
+        f"CUDA_VISIBLE_DEVICES.")
 
 
 class DDP(SingleDevice):
@@ -41,6 +43,7 @@ class DDP(SingleDevice):
         super().__init__(device, precision, **options)
         self._check_ddp_options(options, "Fabric()")
         self.timeout = collective_timeout(timeout)
+        self.timeout_asked = timeout is not None
 
     @staticmethod
     def _check_ddp_options(options: dict, where: str) -> None:
@@ -48,8 +51,8 @@ class DDP(SingleDevice):
                                                                                           "device_ids"}
         unknown = sorted(set(options) - accepted)
         if unknown:
-            raise TypeError(f"{where} got {unknown}, which DistributedDataParallel does not take. Its options: "
-                            f"{', '.join(sorted(accepted))}.")
+            raise CoreTypeError(f"{where} got {unknown}, which DistributedDataParallel does not take. Its options: "
+                                f"{', '.join(sorted(accepted))}.")
 
     def setup_environment(self, env: dict) -> None:
         self.global_rank, self.local_rank = env["global_rank"], env["local_rank"]
@@ -57,13 +60,15 @@ class DDP(SingleDevice):
         if self.device.type == "cuda":
             self.device = torch.device("cuda", cuda_index(self.local_rank))
             torch.cuda.set_device(self.device)
-        if not dist.is_initialized():
+        created = not dist.is_initialized()
+        if created:
             # on CUDA, gloo serves CPU tensors beside nccl: the bounded exit barrier (monitored_barrier) needs it
             backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, rank=self.global_rank, world_size=self.world_size,
                                     timeout=max(self.timeout, DEFAULT_TIMEOUT),  # the ranks' start-up may be slow
                                     store=launcher.own_store(),  # bound before the others started; see there
                                     device_id=self.device if self.device.type == "cuda" else None)
+        if created or self.timeout_asked:  # a timeout asked of a Fabric made in a running group applies to it too
             # for the collectives from here on (torch < 2.8 has the same under its older, private name)
             (getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout)(self.timeout)
 
@@ -144,9 +149,9 @@ def collective_timeout(value) -> timedelta:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = timedelta(seconds=value)
     if not isinstance(value, timedelta):
-        raise TypeError(f"timeout must be seconds or a datetime.timedelta, got {type(value).__name__}.")
+        raise CoreTypeError(f"timeout must be seconds or a datetime.timedelta, got {type(value).__name__}.")
     if value.total_seconds() <= 0:
-        raise ValueError(f"timeout must be positive, got {value.total_seconds():g} s.")
+        raise CoreValueError(f"timeout must be positive, got {value.total_seconds():g} s.")
     return value
 
 

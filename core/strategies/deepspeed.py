@@ -34,6 +34,7 @@ import torch
 
 from core import checkpoint
 from core.checkpoint import deepspeed as deepspeed_checkpoint
+from core.errors import CoreRuntimeError, CoreTypeError, CoreValueError
 from core.precision.engine import EnginePrecision
 from core.strategies.ddp import DDP
 
@@ -88,9 +89,9 @@ class DeepSpeed(DDP):
             try:
                 config = json.loads(Path(config).read_text())
             except (OSError, json.JSONDecodeError) as error:
-                raise ValueError(f"DeepSpeed config {config}: cannot read it as JSON ({error}).") from error
+                raise CoreValueError(f"DeepSpeed config {config}: cannot read it as JSON ({error}).") from error
         if config is not None and not isinstance(config, dict):
-            raise TypeError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}.")
+            raise CoreTypeError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}.")
         self.user_config = config
         self._names = {}  # id(optimizer) -> the names of its parameters per group, for checkpoints
         import_deepspeed(self.name, device.type)  # imports DeepSpeed on this device's accelerator
@@ -114,18 +115,18 @@ class DeepSpeed(DDP):
 
         accelerator = get_accelerator()
         if precision.dtype == torch.float16 and not accelerator.is_fp16_supported():
-            raise ValueError(f"precision={precision.name!r} under strategy={self.name!r}: DeepSpeed's "
-                             f"{accelerator.device_name()} accelerator has no float16 engine. Use 'bf16-mixed' or "
-                             f"'32-true', or strategy='ddp' for 16-mixed with torch's loss scaler.")
+            raise CoreValueError(f"precision={precision.name!r} under strategy={self.name!r}: DeepSpeed's "
+                                 f"{accelerator.device_name()} accelerator has no float16 engine. Use 'bf16-mixed' or "
+                                 f"'32-true', or strategy='ddp' for 16-mixed with torch's loss scaler.")
         return EnginePrecision(precision)  # the engine converts the module to bf16/fp16 and scales the loss
 
     def config(self) -> dict:
         config = copy.deepcopy(self.user_config) if self.user_config is not None else {}
         zero = config.setdefault("zero_optimization", {})
         if self.fixed_stage and zero.get("stage", self.stage) != self.stage:
-            raise ValueError(f"strategy={self.name!r} is ZeRO stage {self.stage}, but the DeepSpeed config sets "
-                             f"stage {zero['stage']}. Drop the stage from the config, or use strategy='deepspeed' "
-                             f"to take it from the config.")
+            raise CoreValueError(f"strategy={self.name!r} is ZeRO stage {self.stage}, but the DeepSpeed config sets "
+                                 f"stage {zero['stage']}. Drop the stage from the config, or use strategy='deepspeed' "
+                                 f"to take it from the config.")
         zero.setdefault("stage", self.stage)
         if "second_backward" in self.needs and zero["stage"] == 2:
             zero.setdefault("contiguous_gradients", False)  # its contiguous buckets fail in the second backward
@@ -158,11 +159,12 @@ class DeepSpeed(DDP):
         import deepspeed
 
         if kwargs:
-            raise ValueError(f"DeepSpeed takes its options in the config, not per module; got {sorted(kwargs)}.")
+            raise CoreValueError(f"DeepSpeed takes its options in the config, not per module; got {sorted(kwargs)}.")
         if len(optimizers) > 1:
-            raise ValueError("A DeepSpeed engine has one optimizer. Set up each model with its own optimizer "
-                             "(`fabric.setup(generator, optimizer_g)`, `fabric.setup(discriminator, optimizer_d)`), "
-                             "or put the parameters in one optimizer as param groups.")
+            raise CoreValueError(
+                "A DeepSpeed engine has one optimizer. Set up each model with its own optimizer "
+                "(`fabric.setup(generator, optimizer_g)`, `fabric.setup(discriminator, optimizer_d)`), "
+                "or put the parameters in one optimizer as param groups.")
         if optimizers:  # the names of its parameters, before ZeRO swaps them for its flat partitions
             self._names[id(optimizers[0])] = checkpoint.parameter_names(optimizers[0], module)
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizers[0] if optimizers else None,
@@ -179,13 +181,13 @@ class DeepSpeed(DDP):
 
     def backward(self, loss, module, *args, **kwargs) -> None:
         if args or kwargs.get("create_graph"):
-            raise ValueError("DeepSpeed's engine.backward takes no gradient argument and cannot create a graph "
-                             "for higher-order gradients; use strategy='ddp' or 'fsdp' for that.")
+            raise CoreValueError("DeepSpeed's engine.backward takes no gradient argument and cannot create a graph "
+                                 "for higher-order gradients; use strategy='ddp' or 'fsdp' for that.")
         module._forward_module.backward(loss, retain_graph=kwargs.get("retain_graph", False))
 
     def optimizer_step(self, optimizer, module, **kwargs):
         if kwargs:
-            raise ValueError("DeepSpeed's engine.step takes no closure.")
+            raise CoreValueError("DeepSpeed's engine.step takes no closure.")
         module._forward_module.step()
 
     def no_backward_sync(self, module):
@@ -198,21 +200,23 @@ class DeepSpeed(DDP):
         zero = self.config()["zero_optimization"]
         reason = _second_backward_refusal(zero["stage"], self.precision.name, zero.get("contiguous_gradients", True))
         if reason:
-            raise RuntimeError(f"fabric.grad under strategy={self.name!r}: the loss's backward goes through the "
-                               f"gradient it returns, a second backward through the engine, and {reason} "
-                               f"(DeepSpeed {_version()}; or use strategy='ddp' or 'fsdp').")
+            raise CoreRuntimeError(f"fabric.grad under strategy={self.name!r}: the loss's backward goes through the "
+                                   f"gradient it returns, a second backward through the engine, and {reason} "
+                                   f"(DeepSpeed {_version()}; or use strategy='ddp' or 'fsdp').")
 
     def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         # ZeRO moves gradients into its partitions during backward and clips them inside engine.step
-        raise RuntimeError(f"DeepSpeed clips gradients inside its engine's step, so fabric.clip_gradients cannot "
-                           f"run between backward and step. Ask the engine instead: Fabric(strategy={self.name!r}, "
-                           f"config={{'gradient_clipping': {max_norm}}}) clips the 2-norm of each model's gradients "
-                           f"to {max_norm} at every step.")
+        raise CoreRuntimeError(
+            f"DeepSpeed clips gradients inside its engine's step, so fabric.clip_gradients cannot "
+            f"run between backward and step. Ask the engine instead: Fabric(strategy={self.name!r}, "
+            f"config={{'gradient_clipping': {max_norm}}}) clips the 2-norm of each model's gradients "
+            f"to {max_norm} at every step.")
 
     def clip_gradients_by_value(self, module, optimizer, clip_val):
-        raise RuntimeError(f"DeepSpeed clips gradients by norm only, inside its engine's step, so "
-                           f"fabric.clip_gradients(clip_val=...) cannot run under it. Clip by norm through the config "
-                           f"instead: Fabric(strategy={self.name!r}, config={{'gradient_clipping': MAX_NORM}}).")
+        raise CoreRuntimeError(
+            f"DeepSpeed clips gradients by norm only, inside its engine's step, so "
+            f"fabric.clip_gradients(clip_val=...) cannot run under it. Clip by norm through the config "
+            f"instead: Fabric(strategy={self.name!r}, config={{'gradient_clipping': MAX_NORM}}).")
 
     # --- checkpoints ------------------------------------------------------------------------------
     def parameter_names(self, optimizer, wrapped_module):
@@ -239,8 +243,9 @@ class DeepSpeed(DDP):
                               "shapes": shapes}
             elif isinstance(value, dict) and isinstance(value.get("optimizer"), checkpoint.InEngine):
                 if id(value["optimizer"].wrapped) not in key_of:
-                    raise ValueError(f"Under DeepSpeed an optimizer's state is saved with its model's engine: put the "
-                                     f"model that {key!r} updates into the same fabric.save call.")
+                    raise CoreValueError(
+                        f"Under DeepSpeed an optimizer's state is saved with its model's engine: put the "
+                        f"model that {key!r} updates into the same fabric.save call.")
                 plain[key] = {**value, "optimizer": {"deepspeed_tag": key_of[id(value["optimizer"].wrapped)]}}
             else:
                 plain[key] = value

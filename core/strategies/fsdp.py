@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from core.errors import CoreRuntimeError, CoreValueError
 from core.strategies.ddp import DDP
 
 
@@ -34,6 +35,7 @@ class FSDP(DDP):
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self._mesh = None
+        self._gathered = {}  # id(set-up module) -> its shard groups, kept gathered for a second backward
 
     def choose_precision(self, precision):
         precision.fsdp_policy()  # refuses a mode FSDP cannot run (16-mixed: no sharded loss scaler)
@@ -54,8 +56,8 @@ class FSDP(DDP):
             options["offload_policy"] = CPUOffloadPolicy()
         wrap_modules = tuple(kwargs.pop("wrap_modules", self.wrap_modules))
         if kwargs:
-            raise ValueError(f"Unknown fsdp options {sorted(kwargs)}; it takes wrap_modules, "
-                             f"reshard_after_forward and cpu_offload.")
+            raise CoreValueError(f"Unknown fsdp options {sorted(kwargs)}; it takes wrap_modules, "
+                                 f"reshard_after_forward and cpu_offload.")
         on_meta = any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
         for sub in list(module.modules())[1:]:
             if "mp_policy" in options and isinstance(sub, nn.modules.batchnorm._BatchNorm):
@@ -91,7 +93,7 @@ class FSDP(DDP):
         names = {id(p): name for name, p in module.named_parameters()}
         for opt in optimizers:
             if opt.state:
-                raise ValueError("The optimizer has already taken steps; set it up before the first step.")
+                raise CoreValueError("The optimizer has already taken steps; set it up before the first step.")
         self.setup_module(module, **kwargs)
         sharded = dict(module.named_parameters())
         for opt in optimizers:
@@ -106,7 +108,7 @@ class FSDP(DDP):
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.device.type == "meta" or not isinstance(p, DTensor) or id(p) not in sharded:
-                    raise ValueError(
+                    raise CoreValueError(
                         "The optimizer was created from parameters that are not the sharded ones (it was built "
                         "before setup_module, or from meta-device parameters). Either set up jointly with "
                         "`fabric.setup(model, optimizer)`, or create the optimizer after "
@@ -128,21 +130,25 @@ class FSDP(DDP):
 
     def keep_for_second_backward(self, module, optimizers: list) -> None:
         """FSDP2 frees each gathered parameter after its backward, but the gradient taken with create_graph
-        holds them for the second backward: the model's parameters stay gathered until its optimizer steps."""
+        holds them for the second backward: the model's parameters stay gathered until its optimizer steps
+        (optimizer_step), however many gradients are taken before."""
         if not optimizers:
-            raise ValueError("fabric.grad under fsdp keeps the model's parameters gathered until its optimizer steps, "
-                             "and this model has none set up: set it up with its optimizer.")
+            raise CoreValueError(
+                "fabric.grad under fsdp keeps the model's parameters gathered until its optimizer steps, "
+                "and this model has none set up: set it up with its optimizer.")
+        if id(module) in self._gathered:
+            return
         shards = [m for m in module.module.modules() if hasattr(m, "set_reshard_after_backward")]
         for shard in shards:
             shard.set_reshard_after_backward(False, recurse=False)
+        self._gathered[id(module)] = shards
 
-        def release(*_):
-            for shard in shards:
-                shard.reshard()
-                shard.set_reshard_after_backward(True, recurse=False)
-            for handle in handles:
-                handle.remove()
-        handles = [optimizer.register_step_post_hook(release) for optimizer in optimizers]
+    def optimizer_step(self, optimizer, module, **kwargs):
+        result = super().optimizer_step(optimizer, module, **kwargs)
+        for shard in self._gathered.pop(id(module), ()):  # kept for a second backward (fabric.grad): freed now
+            shard.reshard()
+            shard.set_reshard_after_backward(True, recurse=False)
+        return result
 
     def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -150,8 +156,9 @@ class FSDP(DDP):
         total = torch.nn.utils.get_total_norm(grads, norm_type)  # over the shards: a DTensor to be reduced
         norm = total.full_tensor() if hasattr(total, "full_tensor") else total  # the same on every rank
         if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(f"The total norm of order {norm_type} of the gradients is {norm.item()}, so they "
-                               f"cannot be clipped. Pass error_if_nonfinite=False to clip_gradients to go on anyway.")
+            raise CoreRuntimeError(
+                f"The total norm of order {norm_type} of the gradients is {norm.item()}, so they "
+                f"cannot be clipped. Pass error_if_nonfinite=False to clip_gradients to go on anyway.")
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return norm
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from core import checkpoint
+from core.errors import CoreTypeError, CoreValueError
 
 
 class SingleDevice:
@@ -29,11 +30,11 @@ class SingleDevice:
 
     def __init__(self, device: torch.device, precision, **options):
         if options and not self.distributed:
-            raise TypeError(f"Fabric() got unknown argument(s) {sorted(options)}. It takes accelerator, strategy, "
-                            f"devices, num_nodes, precision, plugins, callbacks and loggers; other keywords are "
-                            f"options of a distributed strategy (ddp: DistributedDataParallel's arguments; fsdp: "
-                            f"wrap_modules, reshard_after_forward, cpu_offload; deepspeed: config), and this run's "
-                            f"strategy, single, takes none.")
+            raise CoreTypeError(f"Fabric() got unknown argument(s) {sorted(options)}. It takes accelerator, strategy, "
+                                f"devices, num_nodes, precision, plugins, callbacks and loggers; other keywords are "
+                                f"options of a distributed strategy (ddp: DistributedDataParallel's arguments; fsdp: "
+                                f"wrap_modules, reshard_after_forward, cpu_offload; deepspeed: config), and this run's "
+                                f"strategy, single, takes none.")
         self.device = device
         self.precision = self.choose_precision(precision)
         self.options = options  # defaults for every module; setup(..., ddp={...}) overrides per module
@@ -59,7 +60,7 @@ class SingleDevice:
 
     def setup_module(self, module: nn.Module, **kwargs) -> nn.Module:
         if kwargs:
-            raise ValueError(f"{type(self).__name__} takes no per-module options, got {sorted(kwargs)}.")
+            raise CoreValueError(f"{type(self).__name__} takes no per-module options, got {sorted(kwargs)}.")
         return module
 
     def check_optimizer(self, optimizer, module: nn.Module | None) -> None:

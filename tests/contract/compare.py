@@ -1,4 +1,6 @@
 """What both sides hand back at the end of a program, and where two of them differ."""
+import math
+
 import torch
 
 
@@ -34,9 +36,16 @@ def differences(core, plain, prefix="") -> list[str]:
         if set(core) != set(plain):
             return [f"{prefix}: keys {sorted(map(str, core))} vs {sorted(map(str, plain))}"]
         return [line for key in core for line in differences(core[key], plain[key], f"{prefix}.{key}".strip("."))]
-    if torch.is_tensor(core) and torch.is_tensor(plain):
-        if core.shape == plain.shape and torch.equal(core, plain):
+    if isinstance(core, list) and isinstance(plain, list):
+        if len(core) != len(plain):
+            return [f"{prefix}: {len(core)} items vs {len(plain)}"]
+        return [line for i, (a, b) in enumerate(zip(core, plain)) for line in differences(a, b, f"{prefix}[{i}]")]
+    if torch.is_tensor(core) and torch.is_tensor(plain):  # bitwise, NaN where the other has NaN included
+        if core.shape == plain.shape and torch.equal(core.isnan(), plain.isnan()) and \
+                torch.equal(core.nan_to_num(0.0), plain.nan_to_num(0.0)):
             return []
         gap = (core - plain).abs().max().item() if core.shape == plain.shape else "shape"
         return [f"{prefix}: max difference {gap}"]
+    if isinstance(core, float) and isinstance(plain, float) and math.isnan(core) and math.isnan(plain):
+        return []
     return [] if core == plain else [f"{prefix}: {core} vs {plain}"]

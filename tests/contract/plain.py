@@ -31,10 +31,15 @@ def run_plain(program: dict, strategy: str, precision: str, seed: int, tmp: Path
         elif strategy == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            from torch.distributed.fsdp import register_fsdp_forward_method
             options = {"mesh": init_device_mesh("cpu", (world,))}
             if precision == "bf16-mixed":
                 options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                if spec["norm"]:  # bfloat16 BatchNorm weights fail on CPU: the norm in a float32 group of its own
+                    fully_shard(model.norm, **{**options, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32)})
             fully_shard(model, **options)
+            if spec["marked"]:
+                register_fsdp_forward_method(model, "score")
             raw = [(o, make_optimizer(o["kind"], optimizer_params(model, o["params"]))) for o, _ in raw]
         elif strategy.startswith("deepspeed"):
             import deepspeed
@@ -44,6 +49,8 @@ def run_plain(program: dict, strategy: str, precision: str, seed: int, tmp: Path
                       "zero_force_ds_cpu_optimizer": False, "steps_per_print": 2**31}
             if precision.startswith("bf16"):  # DeepSpeed's bf16: bfloat16 weights, float32 master weights
                 config["bf16"] = {"enabled": True}
+            elif precision.startswith("16-"):  # DeepSpeed's fp16: float16 weights, its own dynamic loss scale
+                config["fp16"] = {"enabled": True}
             # the scheduler built before the engine schedules the optimizer the engine steps
             optimizers = [opt for _, opt in raw]
             schedulers = [torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if o["scheduler"] else None
@@ -68,9 +75,12 @@ class PlainOps:
         self.set_up = [(model, opts, scheds) for model, opts, scheds, _ in set_up]
         self.wrappers = [wrapper for *_, wrapper in set_up]
         self.frozen_model = None
-        self.scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
+        # one GradScaler for every optimizer, where there is one to step
+        self.scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" and any(
+            opts for _, opts, _ in self.set_up) else None
         self.stepped = False
         self.release = []  # fsdp modules kept gathered for a penalty's second backward
+        self.world = torch.distributed.get_world_size() if strategy != "single" else 1
 
     def start_epoch(self, epoch):
         for sampler in (self.loader.sampler, getattr(self.loader.batch_sampler, "sampler", None)):
@@ -82,15 +92,27 @@ class PlainOps:
             for opt in self.set_up[i][1]:
                 opt.zero_grad(set_to_none=set_to_none)
 
-    def forward(self, i, x):
+    def forward(self, i, x, marked):
         model = self.set_up[i][0]
         call = model if self.frozen_model == i else self.wrappers[i]  # frozen: around the DDP wrapper
+        if marked:  # the method's own work, run through the DDP wrapper's forward (fully_shard: registered)
+            call = model.score if call is model or self.strategy == "fsdp" else (lambda x, call=call: 2 * call(x))
         if self.precision == "bf16-true" or (self.engines and self.precision.startswith("bf16")):
             return call(x.to(torch.bfloat16)).float()
+        if self.engines and self.precision.startswith("16-"):
+            return call(x.to(torch.float16)).float()
         if self.precision in ("bf16-mixed", "16-mixed"):
             with torch.autocast("cpu", dtype=torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16):
                 return call(x).float()
         return call(x)
+
+    def evaluate(self, i, x, marked):
+        model = self.wrappers[i]
+        model.eval()
+        with torch.no_grad():
+            out = self.forward(i, x, marked)
+        model.train()
+        return out.detach().float().clone()
 
     @contextmanager
     def frozen(self, i):
@@ -117,7 +139,7 @@ class PlainOps:
                     stack.callback(wrapper.set_requires_gradient_sync, True)
             yield
 
-    def backward(self, loss, i):
+    def backward(self, loss, i, owner):  # `owner`: core's model=, which plain PyTorch does not need
         if self.engines:
             return self.wrappers[i].backward(loss)
         if self.scaler is not None:
@@ -125,7 +147,7 @@ class PlainOps:
             loss = self.scaler.scale(loss)
         loss.backward()
 
-    def grad(self, output, x, i):
+    def grad(self, output, x, i, owner):
         if self.strategy == "fsdp":  # keep the gathered parameters for the second backward, until the step
             model, optimizers, _ = self.set_up[i]
             shards = [m for m in model.modules() if hasattr(m, "set_reshard_after_backward")]
@@ -177,8 +199,16 @@ class PlainOps:
             return
         if self.scaler is not None:
             self.update_scale()
+        models = [model_state(self.strategy, m) for m, _, _ in self.set_up]
+        if self.world > 1:  # as a checkpoint rank 0 writes and every rank reads: a buffer each rank keeps its own
+            from torch.distributed.tensor import DTensor
+            for state in models:  # of (BatchNorm's running statistics) comes back as rank 0's
+                for key, value in state.items():
+                    if not isinstance(value, DTensor):
+                        state[key] = value.clone()
+                        torch.distributed.broadcast(state[key], src=0)
         self.snapshot = copy.deepcopy((
-            [model_state(self.strategy, m) for m, _, _ in self.set_up],
+            models,
             [[optimizer_state(self.strategy, m, o) for o in opts] for m, opts, _ in self.set_up],
             [[s.state_dict() if s else None for s in scheds] for _, _, scheds in self.set_up],
             self.scaler.state_dict() if self.scaler is not None else None))
@@ -203,6 +233,27 @@ class PlainOps:
         if self.scaler is not None:
             self.update_scale()
             self.scaler.load_state_dict(scaler)
+
+    def reduce(self, losses):
+        if self.world == 1:
+            return {"mean": losses.clone(), "broadcast": losses.tolist()}
+        mean = losses.clone()
+        torch.distributed.all_reduce(mean)
+        box = [losses.tolist()]
+        torch.distributed.broadcast_object_list(box, src=self.world - 1)
+        return {"mean": mean / self.world, "broadcast": box[0]}
+
+    def adopt(self, model, optimizers) -> int:
+        """As CoreOps.adopt (one process only: the copy is its own wrapper)."""
+        self.set_up.append((model, optimizers, [None] * len(optimizers)))
+        self.wrappers.append(model)
+        return len(self.set_up) - 1
+
+    def drop(self, k):
+        del self.set_up[k], self.wrappers[k]
+
+    def weights(self, i):
+        return self.set_up[i][0].state_dict()
 
     def results(self):
         return results_of(self.strategy, [(m, opts, w) for (m, opts, _), w in zip(self.set_up, self.wrappers)])

@@ -1,5 +1,5 @@
-"""Running programs: each through core and as plain PyTorch, one verdict per program agreed by every rank, and
-the command line (`python -m tests.contract`)."""
+"""Running programs: each through core and as plain PyTorch, one verdict per program agreed by every rank, a
+failing program shrunk to a small one, and the command line (`python -m tests.contract`)."""
 import argparse
 import json
 import logging
@@ -9,29 +9,37 @@ import sys
 import tempfile
 import traceback
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from tests.contract.compare import differences
-from tests.contract.programs import ONE_PROCESS, TWO_PROCESSES, draw, script
 from tests.contract.plain import run_plain
-from tests.contract.through_core import core_error, run_core
+from tests.contract.programs import ONE_PROCESS, REFUSALS, TWO_PROCESSES, draw, expected_refusal, fits, script
+from tests.contract.shrink import simpler
+from tests.contract.through_core import run_core
+
+SHRINK_TRIES = 80  # programs run while shrinking a failure, at most
 
 
-def check(program: dict, strategy: str, precision: str, seed: int) -> tuple[str, str]:
-    """("ok" | "refused" | "failed", detail) for one program."""
+def check(program: dict, strategy: str, precision: str, seed: int, timeout: float = 120.0) -> tuple[str, str]:
+    """("ok" | "refused" | "failed", detail) for one program, agreed by every rank; `timeout`: seconds a collective
+    may wait (a TimeoutError past it)."""
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            return check_in(program, strategy, precision, seed, Path(tmp))
-        finally:
-            if strategy != "single":  # rank 0's folder is removed only when every rank is done with it
-                import torch.distributed as dist
-                dist.barrier()
+        verdict = check_in(program, strategy, precision, seed, Path(tmp), timeout)
+        if strategy == "single":
+            return verdict
+        import torch.distributed as dist
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, verdict)  # also: rank 0's folder is removed only when every rank is done
+        return next((v for v in verdicts if v[0] == "failed"), verdicts[0])
 
 
-def check_in(program: dict, strategy: str, precision: str, seed: int, tmp: Path) -> tuple[str, str]:
+def check_in(program: dict, strategy: str, precision: str, seed: int, tmp: Path, timeout: float) -> tuple[str, str]:
     """check() inside its temporary folder `tmp` (rank 0's, on every rank)."""
+    from core import CoreError
+
     if strategy != "single":  # every rank writes into rank 0's folder
         import torch.distributed as dist
         box = [str(tmp)]
@@ -39,12 +47,21 @@ def check_in(program: dict, strategy: str, precision: str, seed: int, tmp: Path)
         tmp = Path(box[0])
     for side in ("core", "plain"):
         (tmp / side).mkdir(exist_ok=True)
+    expect = program.get("expect")
     try:
-        core = run_core(program, strategy, precision, seed, tmp / "core")
-    except Exception as error:  # noqa: BLE001 - classified below
-        if core_error(error):
-            return "refused", f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        core = run_core(program, strategy, precision, seed, tmp / "core", timeout)
+    except CoreError as error:  # a refusal: right only where the program was drawn to meet this one
+        if expect and REFUSALS[expect][0] in str(error):
+            return "refused", f"{expect}: {type(error).__name__}: {str(error).splitlines()[0]}"
+        why = f"a refusal other than {expect!r} ({REFUSALS[expect][0]!r})" if expect else \
+            "a refusal of a program core must run"
+        return "failed", f"core raised {why}:\n" + traceback.format_exc(limit=-6)
+    except TimeoutError:
+        raise
+    except Exception:  # noqa: BLE001 - anything else core raised, or let through, is a bug
         return "failed", "core crashed:\n" + traceback.format_exc(limit=-6)
+    if expect:
+        return "failed", f"core ran a program it must refuse: {expect} ({REFUSALS[expect][1]})"
     try:
         plain = run_plain(program, strategy, precision, seed, tmp / "plain")
     except Exception:  # noqa: BLE001
@@ -53,39 +70,92 @@ def check_in(program: dict, strategy: str, precision: str, seed: int, tmp: Path)
     return ("ok", "") if not lines else ("failed", "core and plain differ:\n  " + "\n  ".join(lines[:12]))
 
 
-def run_cells(cells: list[str], seed: int, count: int, index: int | None = None, out=sys.stdout) -> dict:
-    """Run `count` programs in each cell ("strategy:precision"), all in this process group; return the counts,
-    and print each failure with its script and replay command."""
+@contextmanager
+def float16_engine_offered(strategy: str, precision: str):
+    """DeepSpeed's CPU accelerator offers its float16 engine only where oneDNN computes float16 (AVX512-FP16,
+    AMX-FP16), and core refuses float16 under DeepSpeed elsewhere, reading the same answer. So that the float16
+    cells compare core with DeepSpeed's float16 engine on any CPU, both sides are told yes here: float16
+    arithmetic runs on every CPU, only slower."""
+    if not strategy.startswith("deepspeed") or not precision.startswith("16-"):
+        yield
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = type(get_accelerator())
+    asked = accelerator.is_fp16_supported
+    accelerator.is_fp16_supported = lambda self: True
+    try:
+        yield
+    finally:
+        accelerator.is_fp16_supported = asked
+
+
+def shrink(program: dict, strategy: str, precision: str, seed: int, timeout: float) -> tuple[dict, str, int]:
+    """The smallest program `simpler` reaches that still fails, its detail, and how many programs it ran."""
+    detail, tries, found = None, 0, True
+    while found and tries < SHRINK_TRIES:
+        found = False
+        for candidate in simpler(program):
+            if not fits(candidate, strategy):
+                continue
+            candidate["expect"] = expected_refusal(candidate, strategy, precision)
+            tries += 1
+            verdict, why = check(candidate, strategy, precision, seed, timeout)
+            if verdict == "failed":
+                program, detail, found = candidate, why, True
+                break
+            if tries >= SHRINK_TRIES:
+                break
+    return program, detail, tries
+
+
+def run_cells(cells: list[str], seed: int, count: int, index: int | None = None, out=sys.stdout,
+              program: dict | None = None, shrink_failures: bool = True, timeout: float = 120.0) -> dict:
+    """Run `count` programs in each cell ("strategy:precision"), all in this process group (or only program
+    `index`, or the given `program`); return the counts, in all and per cell, and print each failure, shrunk,
+    with its script and the commands that replay it."""
     import torch.distributed as dist
 
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     totals = {"ok": 0, "refused": 0, "failed": 0}
-    refusals = {}
+    per_cell, refusals = {}, {}
     for cell in cells:
         strategy, precision = cell.split(":")
-        for i in range(count) if index is None else [index]:
-            rng = random.Random(f"{seed}:{cell}:{i}")
-            program = draw(rng, strategy, precision)
-            verdict, detail = check(program, strategy, precision, seed * 1000 + i)
-            if distributed or strategy != "single":
-                import torch.distributed as dist
-                verdicts = [None] * dist.get_world_size()
-                dist.all_gather_object(verdicts, (verdict, detail))
-                worst = next((v for v in verdicts if v[0] == "failed"), verdicts[0])
-                verdict, detail = worst
-            totals[verdict] += 1
-            if verdict == "refused":
-                refusals[detail] = refusals.get(detail, 0) + 1
-            if verdict == "failed" and rank == 0:
-                print(f"\nFAILED {cell} program {i}: {detail}\n{script(program)}\nreplay: python -m tests.contract "
-                      f"--seed {seed} --cells {cell} --index {i}" + (" --devices 2" if strategy != "single" else "")
-                      + f"\nprogram: {json.dumps(program)}", file=out, flush=True)
-    return {**totals, "refusals": refusals}
+        counts = per_cell[cell] = {"ok": 0, "refused": 0, "failed": 0}
+        with float16_engine_offered(strategy, precision):
+            for i in range(count) if index is None and program is None else [index or 0]:
+                drawn = program or draw(random.Random(f"{seed}:{cell}:{i}"), strategy, precision)
+                try:
+                    verdict, detail = check(drawn, strategy, precision, seed * 1000 + i, timeout)
+                except TimeoutError as error:  # this rank waited past the program's bound: the others are elsewhere
+                    print(f"\nHANG {cell} program {i}: {error}\n{script(drawn, strategy, precision)}\n"
+                          f"{replay(cell, seed, i, drawn)}", file=sys.stderr, flush=True)
+                    raise
+                totals[verdict] += 1
+                counts[verdict] += 1
+                if verdict == "refused":
+                    refusals[drawn["expect"]] = refusals.get(drawn["expect"], 0) + 1
+                if verdict != "failed":
+                    continue
+                small, tries = drawn, 0
+                if shrink_failures:
+                    small, smaller_detail, tries = shrink(drawn, strategy, precision, seed * 1000 + i, timeout)
+                    detail = smaller_detail or detail
+                if rank == 0:
+                    print(f"\nFAILED {cell} program {i} (shrunk in {tries} runs): {detail}\n"
+                          f"{script(small, strategy, precision)}\n{replay(cell, seed, i, small)}", file=out, flush=True)
+    return {**totals, "cells": per_cell, "refusals": refusals}
+
+
+def replay(cell: str, seed: int, index: int, program: dict) -> str:
+    """The commands that run `program` again (as printed, and as drawn)."""
+    command = f"python -m tests.contract --cells {cell}{' --devices 2' if cell.split(':')[0] != 'single' else ''} " \
+              f"--seed {seed} --index {index}"
+    return f"replay: {command} --program '{json.dumps(program)}'\nas drawn: {command}"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m tests.contract", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0, help="the generator's seed")
     parser.add_argument("--count", type=int, default=20, help="programs per cell")
@@ -94,8 +164,25 @@ def main(argv=None) -> int:
     parser.add_argument("--cells", default=None,
                         help="comma-separated strategy:precision cells (default: every cell for --devices)")
     parser.add_argument("--index", type=int, default=None, help="run only this program of each cell (a replay)")
+    parser.add_argument("--program", default=None, help="run this program (JSON, as a failure prints it) with "
+                                                         "--index's seed, instead of drawing one")
+    parser.add_argument("--no-shrink", action="store_true", help="print failures as drawn, without shrinking")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds a collective of a distributed program may wait (its Fabric(timeout=...)): a "
+                             "rank that waits longer prints HANG with the program and stops the run")
     args = parser.parse_args(argv)
     cells = args.cells.split(",") if args.cells else (ONE_PROCESS if args.devices == 1 else TWO_PROCESSES)
+    unknown = [cell for cell in cells if cell not in ONE_PROCESS + TWO_PROCESSES]
+    if unknown:
+        parser.error(f"unknown cells {unknown}; the cells are {', '.join(ONE_PROCESS + TWO_PROCESSES)}")
+    if args.devices == 1 and any(not cell.startswith("single:") for cell in cells):
+        parser.error("the distributed cells run on 2 processes: add --devices 2")
+    program = None
+    if args.program:
+        try:
+            program = json.loads(args.program)
+        except json.JSONDecodeError as error:
+            parser.error(f"--program is not a program's JSON ({error}); paste it as a failure printed it")
     torch.set_num_threads(1)
     # a scheduler may step in an iteration whose optimizer did not (a model without one, a skipped overflow)
     warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
@@ -104,7 +191,10 @@ def main(argv=None) -> int:
     if args.devices == 2:
         from core import Fabric
         Fabric(accelerator="cpu", strategy="ddp", devices=2).launch()  # the process group every program shares
-    result = run_cells(cells, args.seed, args.count, args.index)
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    result = run_cells(cells, args.seed, args.count, args.index, program=program, shrink_failures=not args.no_shrink,
+                       timeout=args.timeout)
     import torch.distributed as dist
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0  # rank 0 reports for every rank

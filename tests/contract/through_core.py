@@ -1,5 +1,5 @@
-"""One program through core: Fabric's setup, backward, clipping, frozen, no_backward_sync, save and load."""
-import traceback
+"""One program through core: Fabric's setup, backward, grad, clipping, frozen, no_backward_sync, collectives,
+save and load, and copies of set-up objects."""
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -8,23 +8,14 @@ import torch
 from tests.contract.compare import results_of
 from tests.contract.programs import make_loader, make_models, make_optimizer, optimizer_params, train
 
-CORE = str(Path(__file__).resolve().parent.parent.parent / "core")
 
-
-def core_error(error: BaseException) -> bool:
-    """A refusal core raised itself, with a message, of a kind a user can act on."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return isinstance(error, (ValueError, TypeError, RuntimeError)) and bool(frames) and \
-        frames[-1].filename.startswith(CORE) and len(str(error)) > 20
-
-
-def run_core(program: dict, strategy: str, precision: str, seed: int, tmp: Path) -> dict:
+def run_core(program: dict, strategy: str, precision: str, seed: int, tmp: Path, timeout: float = 120.0) -> dict:
     from core import Fabric
 
     if strategy == "single":
         fabric = Fabric(accelerator="cpu", precision=precision)
-    else:  # a bound on every collective, so a program that hangs one rank fails instead
-        fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2, precision=precision, timeout=120)
+    else:  # the program's bound on every collective, so a program that hangs one rank fails instead
+        fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2, precision=precision, timeout=timeout)
         fabric.launch()
     models = make_models(program, seed)
     set_up = []  # (model, [optimizers], [schedulers or None])
@@ -41,6 +32,8 @@ def run_core(program: dict, strategy: str, precision: str, seed: int, tmp: Path)
         else:
             out = fabric.setup(model, *optimizers)
             model, optimizers = (out[0], list(out[1:])) if optimizers else (out, [])
+        if spec["marked"]:
+            model.mark_forward_method("score")
         schedulers = [torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if o["scheduler"] == "after" else s
                       for opt, o, s in zip(optimizers, spec["optimizers"], schedulers)]
         set_up.append((model, optimizers, schedulers))
@@ -63,8 +56,17 @@ class CoreOps:
         for opt in self.set_up[i][1]:
             opt.zero_grad(set_to_none=set_to_none)
 
-    def forward(self, i, x):
-        return self.set_up[i][0](x)
+    def forward(self, i, x, marked):
+        model = self.set_up[i][0]
+        return model.score(x) if marked else model(x)
+
+    def evaluate(self, i, x, marked):
+        model = self.set_up[i][0]
+        model.eval()
+        with torch.no_grad():
+            out = self.forward(i, x, marked)
+        model.train()
+        return out.detach().float().clone()
 
     @contextmanager
     def frozen(self, i):
@@ -74,11 +76,16 @@ class CoreOps:
     def no_sync(self, indices):
         return self.fabric.no_backward_sync(*[self.set_up[i][0] for i in indices])
 
-    def backward(self, loss, i):
-        self.fabric.backward(loss, model=self.set_up[i][0])
+    def backward(self, loss, i, model):
+        if model is None:
+            self.fabric.backward(loss)
+        else:
+            self.fabric.backward(loss, model=self.set_up[model][0])
 
-    def grad(self, output, x, i):
-        return self.fabric.grad(output, x, model=self.set_up[i][0])[0]
+    def grad(self, output, x, i, model):
+        if model is None:
+            return self.fabric.grad(output, x)[0]
+        return self.fabric.grad(output, x, model=self.set_up[model][0])[0]
 
     def clip(self, i, how):
         model, optimizers, _ = self.set_up[i]
@@ -94,6 +101,22 @@ class CoreOps:
 
     def end_of_steps(self):
         pass  # core's scaler updates before the next scaled loss
+
+    def reduce(self, losses):
+        mean = self.fabric.all_reduce(losses, reduce_op="mean")
+        last = self.fabric.world_size - 1  # a source other than rank 0 where there are two
+        return {"mean": mean.detach().clone(), "broadcast": self.fabric.broadcast(losses.tolist(), src=last)}
+
+    def adopt(self, model, optimizers) -> int:
+        """Take a copy of a set-up model and its optimizers in as model number k (returned), until drop(k)."""
+        self.set_up.append((model, optimizers, [None] * len(optimizers)))
+        return len(self.set_up) - 1
+
+    def drop(self, k):
+        del self.set_up[k]
+
+    def weights(self, i):
+        return self.set_up[i][0].module.state_dict()
 
     def save(self, path):
         self.fabric.save(path, self.state())
