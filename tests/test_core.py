@@ -342,6 +342,22 @@ class TestPrecision:
                 copied.module.bias.zero_()
             assert torch.equal(copied(x), torch.zeros(2, 4)) and model(x).abs().sum() > 0
 
+    def test_16_mixed_steps_an_optimizer_whose_layers_are_all_frozen(self):
+        """GradScaler.step asserts on an optimizer without gradients ("No inf checks were recorded"); core steps
+        it directly, a no-op, as in 32-true (found by the contract: a frozen first layer with an optimizer of its own)."""
+        fabric = Fabric(accelerator="cpu", precision="16-mixed")
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        model[0].requires_grad_(False)
+        model = fabric.setup_module(model)
+        frozen = fabric.setup_optimizers(torch.optim.SGD(model.module[0].parameters(), lr=0.1))
+        trained = fabric.setup_optimizers(torch.optim.SGD(model.module[1].parameters(), lr=0.1))
+        before = [p.detach().clone() for p in model.parameters()]
+        fabric.backward(model(torch.randn(2, 4)).sum() * 1e-4)  # small: no overflow at the first loss scale
+        frozen.step()
+        trained.step()
+        after = list(model.parameters())
+        assert torch.equal(before[0], after[0]) and not torch.equal(before[2], after[2])
+
     def test_a_set_up_model_unpickled_in_another_process_is_refused_with_what_to_do(self, tmp_path):
         """A set-up object runs through its process's Fabric: another process has none, so unpickling it there is
         refused, naming what to pickle instead; in the same process the copy shares the Fabric (the contract test)."""

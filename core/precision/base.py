@@ -127,6 +127,10 @@ class Precision:
     def optimizer_step(self, optimizer, **kwargs):
         if self.scaler is None:
             return optimizer.step(**kwargs)
+        if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+            # nothing to unscale (its layers frozen, or not in this loss): GradScaler.step would assert ("No inf
+            # checks were recorded"); the optimizer's own step, which skips parameters without gradients
+            return optimizer.step(**kwargs)
         result = self.scaler.step(optimizer, **kwargs)  # skipped when this optimizer's gradients hold inf or NaN
         self._update_due = True
         return result

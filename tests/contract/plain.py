@@ -179,7 +179,8 @@ class PlainOps:
         if self.engines:
             return self.wrappers[i].step()
         for opt in self.set_up[i][1]:
-            if self.scaler is not None:
+            # GradScaler.step asserts on an optimizer without gradients (its layers frozen): stepped directly
+            if self.scaler is not None and any(p.grad is not None for g in opt.param_groups for p in g["params"]):
                 self.scaler.step(opt)
                 self.stepped = True
             else:
