@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from core import checkpoint
+from core.checkpoint import integrity
 from core.compat import Fabric  # for init_module(empty_init=True), which the drop-in offers
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -119,13 +120,19 @@ def main():
     count = sum(p.numel() for p in model.parameters())
     shard_mb = sum(p.to_local().numel() * 4 for p in model.parameters()) * 3 / 2**20
     root = Path(fabric.broadcast(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-")))
-    rows = {"sharded": {"save": [], "load": []}, "gathered": {"save": [], "load": []}}
+    rows = {"sharded": {"save": [], "load": [], "verify": [], "manifest": []},
+            "gathered": {"save": [], "load": []}}
     for _ in range(args.repeats):
         for kind, save, load in (("sharded", fabric.save, fabric.load), ("gathered", lambda p, s: gathered_save(
                 fabric, p, s), lambda p, s: gathered_load(fabric, p, s))):
             path = root / f"{kind}.ckpt"
             rows[kind]["save"].append(timed(fabric, save, path, state))
             rows[kind]["load"].append(timed(fabric, load, path, state))
+        # inside the sharded load and save: checking the files' checksums (the ranks share the files out), and
+        # rank 0 writing them at the save (the files are in the page cache in both, as after a save)
+        rows["sharded"]["verify"].append(timed(fabric, fabric.strategy.verify_checkpoint, root / "sharded.ckpt"))
+        rows["sharded"]["manifest"].append(timed(fabric, lambda: fabric.is_global_zero and integrity.write_manifest(
+            root / "sharded.ckpt")))
     if fabric.is_global_zero:
         result = {"parameters": count, "rank0_shard_mb": round(shard_mb, 1)}
         for kind, phases in rows.items():

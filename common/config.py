@@ -84,8 +84,8 @@ def parse(config_class, argv=None, prog=None, description=None):
 def cli(main, *config_classes, prog: str, description: str = ""):
     """Run `main(config)` from the command line: bad input (flags, data, checkpoints: a ValueError or
     FileNotFoundError the suite's own code raises) exits with status 2 and one line, a diverged run (FloatingPointError) or a rank that
-    waited past the collective timeout (TimeoutError) with 1 and one line; anything else is a bug and keeps
-    its traceback. SUITE_TRACEBACK=1 in the environment keeps the traceback of the one-line errors too. Before such an exit, `config.on_failure()` (where the config
+    waited past the collective timeout (TimeoutError) with 1 and one line (an error marked `every_rank`, which
+    all ranks raised together, is said by rank 0 alone); anything else is a bug and keeps its traceback. SUITE_TRACEBACK=1 in the environment keeps the traceback of the one-line errors too. Before such an exit, `config.on_failure()` (where the config
     has one: core's flags) tells the launcher not to wait for the other ranks."""
     config = parse(merge(*config_classes), prog=prog, description=description)
     failing = getattr(config, "on_failure", lambda: None)
@@ -96,6 +96,8 @@ def cli(main, *config_classes, prog: str, description: str = ""):
         if os.environ.get("SUITE_TRACEBACK", "0") not in ("", "0") or not raised_by_the_suite(error):
             raise
         failing()
+        if getattr(error, "every_rank", False) and int(os.environ.get("RANK", "0")) != 0:
+            sys.exit(2)  # every rank raised it together (an agreed verdict): rank 0 says it, once
         error_exit(prog, str(error))
     except (FloatingPointError, TimeoutError) as error:  # diverged, or waited too long: no traceback needed
         failing()
@@ -151,6 +153,9 @@ class RunConfig:
     resume: str = flag("", "continue a run exactly, with its own flags: a run directory, or a checkpoint (a file; "
                            "fsdp, DeepSpeed: a folder); auto: the newest checkpoint in --out, or a new run there")
     checkpoint_every: int = flag(500, "save checkpoints/last.ckpt every N steps, and at the end (0: only at the end)")
+    keep_checkpoints: int = flag(2, "checkpoints kept, the newest included (checkpoints/step-N.ckpt, hard links of "
+                                    "last.ckpt: no second copy of its bytes); a resume from the run skips one that "
+                                    "fails its checksums. 1: last.ckpt alone")
     dataset: str = flag("digits", "dataset name")
     data_root: str = flag("data", "folder that holds (or receives, with --download) the dataset files")
     download: bool = flag(False, "download the dataset into --data-root if it is missing (needs internet)")
@@ -172,6 +177,7 @@ class RunConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
         self.check_at_least(1, "max_steps", "batch_size", "accumulate", "log_every")  # log_every: the loss check's too
         self.check_at_least(0, "checkpoint_every", "num_workers", "warmup_steps")
+        self.check_at_least(1, "keep_checkpoints")
         cores = usable_cores()
         if self.num_workers > 4 * cores:  # torch warns above one per core; more than 4 per core cannot pay
             raise ValueError(f"--num-workers {self.num_workers}: each worker is a process, and this process may use "

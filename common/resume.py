@@ -16,16 +16,20 @@ import os
 import sys
 from pathlib import Path
 
-from common.rundir import LAST, holds_run
+from common.rundir import LAST, holds_run, kept_checkpoints
 
 # Fields that do not change what is trained: they may differ between a run and its resume. Every other
 # field given on a resume's command line must equal the run's (check_resume_config).
-RESUMABLE_CHANGES = {"out", "resume", "max_steps", "checkpoint_every", "log_every", "num_workers", "data_root",
-                     "download", "devices", "num_nodes", "strategy", "accelerator", "compile", "eval_every",
-                     "logger", "sample_every", "eval_samples", "eval_tasks", "eval_queries",
+RESUMABLE_CHANGES = {"out", "resume", "max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "num_workers",
+                     "data_root", "download", "devices", "num_nodes", "strategy", "accelerator", "compile",
+                     "eval_every", "logger", "sample_every", "eval_samples", "eval_tasks", "eval_queries",
                      "collective_timeout"}
 # Fields a resume does not take from the run's config.json: its own destination and source.
 NOT_RESTORED = {"out", "resume"}
+
+
+class NoCheckpoint(ValueError):
+    """--resume found no checkpoint where it looked."""
 
 
 def resolve_run(config, workload: str | None = None) -> None:
@@ -36,16 +40,17 @@ def resolve_run(config, workload: str | None = None) -> None:
     out = Path(config.out) if config.out else None
     auto = config.resume == "auto"
     recover = getattr(config, "recover_checkpoint", None)  # the wrapped scripts' (core's flags)
+    verify = getattr(config, "verify_checkpoint", None)  # the same: a checkpoint's checksums
     if auto:
         if out is None:
             raise ValueError("--resume auto continues the run in --out, so it needs one: pass --out DIR, the same "
                              "on every restart")
-        found = latest_checkpoint(out, recover)
+        found = latest_checkpoint(out, recover, verify)
         if found is None:
             _say(f"--resume auto: no checkpoint in {out} yet; starting the run there")
         config.resume = str(found) if found else ""
     elif config.resume:
-        checkpoint = resume_path(config.resume, recover)
+        checkpoint = resume_path(config.resume, recover, verify)
         source = run_of(checkpoint)
         if out is None and source is None:
             raise ValueError(f"--resume {config.resume}: this checkpoint is not inside a run directory "
@@ -72,28 +77,51 @@ def resolve_run(config, workload: str | None = None) -> None:
         check_resume_config(Path(config.resume), config)
 
 
-def latest_checkpoint(out: Path, recover=None) -> Path | None:
+def latest_checkpoint(out: Path, recover=None, verify=None) -> Path | None:
     """The checkpoint a run in `out` would continue from, or None when it has none yet."""
+    if not (out / "checkpoints").is_dir():
+        return None
     try:
-        return resume_path(str(out), recover) if (out / "checkpoints").is_dir() else None
-    except ValueError:
+        return resume_path(str(out), recover, verify)
+    except NoCheckpoint:
         return None
 
 
-def resume_path(resume: str, recover=None) -> Path:
+def resume_path(resume: str, recover=None, verify=None) -> Path:
     """`--resume` takes a run directory or a checkpoint: a file, or a directory (fsdp and DeepSpeed write those).
     `recover(path)`, where the script's saving has one (the wrapped scripts: core's), first puts back a checkpoint
-    that a save interrupted mid-way left elsewhere."""
+    that a save interrupted mid-way left elsewhere. From a run directory, `verify(path)` (the wrapped scripts: the
+    problems core's checksums find) picks the newest of last.ckpt and the kept checkpoints that passes, saying
+    which were skipped and why; a checkpoint named itself is checked when it loads."""
     path = Path(resume)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints" / LAST
-    elif path.name == "checkpoints" and path.is_dir():  # RUN/checkpoints: its newest
-        path = path / LAST
+    run = path if (path / "checkpoints").is_dir() else path.parent if path.name == "checkpoints" and \
+        path.is_dir() else None
+    if run is not None:
+        path = run / "checkpoints" / LAST
     if recover is not None:
         recover(path)
+    if run is not None and verify is not None:
+        return _newest_that_passes(resume, [path] + [kept for _, kept in reversed(kept_checkpoints(run))], verify)
     if not path.exists():
-        raise ValueError(f"--resume {resume}: no checkpoint at {path}")
+        raise NoCheckpoint(f"--resume {resume}: no checkpoint at {path}")
     return path
+
+
+def _newest_that_passes(resume: str, candidates: list[Path], verify) -> Path:
+    skipped = []
+    for path in candidates:
+        if not path.exists():
+            continue
+        found = verify(path)
+        if not found:
+            if skipped:
+                _say(f"[resume] skipped {'; '.join(skipped)}: resuming from {path}", stderr=True)
+            return path
+        skipped.append(f"{path.name} ({found[0]}{f'; and {len(found) - 1} more' if len(found) > 1 else ''})")
+    if not skipped:
+        raise NoCheckpoint(f"--resume {resume}: no checkpoint at {candidates[0]}")
+    raise ValueError(f"--resume {resume}: every checkpoint of the run changed after it was saved: "
+                     f"{'; '.join(skipped)}; start a new run")
 
 
 def run_of(checkpoint: Path) -> Path | None:

@@ -9,6 +9,7 @@ import atexit
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -68,6 +69,7 @@ class RunDir:
                 raise ValueError(f"the ranks found different checkpoints to resume from in {self.path} (this one: "
                                  f"{resume or 'none'}): the run directory must be on a filesystem every node sees")
         self.workload, self.write = workload, write  # write: False on every rank but 0
+        self.keep = 1  # checkpoints kept (--keep-checkpoints), from start() on
         self.started, self.cpu_started = time.perf_counter(), time.process_time()
         self.loggers = []  # --logger's (common/loggers.py), made by start
 
@@ -78,6 +80,21 @@ class RunDir:
     def checkpoint(self) -> Path:
         return self.path / "checkpoints" / LAST
 
+    def keep_checkpoint(self, step: int) -> None:
+        """After a save of `checkpoint` at `step` (rank 0): keep it as checkpoints/step-STEP.ckpt too, and remove
+        the oldest kept ones beyond --keep-checkpoints, so that a damaged newest checkpoint is not the run's only
+        one. Hard links: no second copy of the bytes (a later save writes last.ckpt anew, leaving these whole)."""
+        if not self.write or self.keep <= 1:
+            return
+        kept = self.checkpoint.with_name(f"step-{step:08d}.ckpt")
+        staging = kept.with_name(f".{kept.name}.tmp")
+        _remove(staging)
+        _link(self.checkpoint, staging)
+        _remove(kept)
+        os.replace(staging, kept)
+        for _, old in kept_checkpoints(self.path)[:-self.keep]:
+            _remove(old)
+
     @property
     def best_checkpoint(self) -> Path:
         """The checkpoint of the best evaluation so far (the workloads that evaluate during training)."""
@@ -86,6 +103,7 @@ class RunDir:
     def start(self, config, step: int) -> None:
         """Once any checkpoint has loaded (`step`: where the run goes on): say what was resumed, keep the
         metrics up to `step` (a record after it belongs to steps that will run again), write config.json."""
+        self.keep = getattr(config, "keep_checkpoints", 1)
         if not self.write:
             return
         if config.resume:
@@ -199,6 +217,36 @@ def _check_shared(path: Path, write: bool, collectives) -> None:
                          f"and deepspeed writes its shard there); pass an --out on shared storage")
 
 
+def kept_checkpoints(run: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the checkpoints keep_checkpoint kept in `run`, oldest first."""
+    found = []
+    for path in (Path(run) / "checkpoints").glob("step-*.ckpt"):
+        number = path.name[len("step-"):-len(".ckpt")]
+        if number.isdigit():
+            found.append((int(number), path))
+    return sorted(found)
+
+
+def _link(source: Path, target: Path) -> None:
+    """`target` as a hard link of the file `source`, or a directory of hard links of a directory's files (a copy
+    where the filesystem has no hard links)."""
+    source, target = Path(source), Path(target)
+    if source.is_dir():
+        shutil.copytree(source, target, copy_function=_link)
+        return
+    try:
+        os.link(source, target)
+    except OSError:  # no hard links here (some network and FUSE filesystems): a copy
+        shutil.copy2(source, target)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
 CLAIM = ".starting"  # in a named --out while a new run writes its first file there
 
 
@@ -209,16 +257,23 @@ def _claim(path: Path) -> None:
     process is gone (killed in between) is taken over."""
     path.mkdir(parents=True, exist_ok=True)
     claim = path / CLAIM
-    for _ in range(2):
+    for _ in range(3):
         try:
             fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             break
         except FileExistsError:
-            host, _, pid = claim.read_text().rpartition(" ")
+            try:
+                holder = claim.read_text()
+            except FileNotFoundError:  # its process gave it up in between: try again
+                continue
+            host, _, pid = holder.rpartition(" ")
             if host != socket.gethostname() or not pid.isdigit() or _alive(int(pid)):
-                raise ValueError(f"--out {path}: another run is starting there (process {pid} on {host}); pass a "
-                                 f"new --out (if no such process runs any more, delete {claim})") from None
+                who = f"process {pid} on {host}" if holder else "a process that has not written its name yet"
+                raise ValueError(f"--out {path}: another run is starting there ({who}); pass a new --out (if no "
+                                 f"such process runs any more, delete {claim})") from None
             claim.unlink(missing_ok=True)  # its process is gone
+    else:  # every try met a claim that went away or was stale: others keep starting there
+        raise ValueError(f"--out {path}: other runs keep starting there; pass a new --out")
     os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
     os.close(fd)
     if holds_run(path):  # another run started there since resolve_run's check, and wrote its config.json

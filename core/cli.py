@@ -78,6 +78,11 @@ class FabricFlags:
         """Before a resume looks for `path`: put back a checkpoint directory whose replacement was interrupted."""
         checkpoint.recover(Path(path))
 
+    @staticmethod
+    def verify_checkpoint(path) -> list[str]:
+        """Before a resume from a run directory picks a checkpoint: what does not match its saved checksums."""
+        return checkpoint.integrity.problems(Path(path))[0]
+
     def on_failure(self) -> None:
         """Called by the CLI before it exits with an error: this rank's exit must not wait for the others."""
         launcher.mark_failed()

@@ -403,6 +403,7 @@ class Fabric:
         objects, an argparse.Namespace say, whose loading runs code from the file)."""
         held = None if state is None else (lambda: self._collect(state))
         checkpoint.recover(path)  # a save of this path killed in its renames or its cleanup
+        self._strategy.verify_checkpoint(path)  # its bytes as they were saved, or refused
         with checkpoint.trusted(weights_only is False):
             saved = self._strategy.load_checkpoint(path, held)
         if state is None:

@@ -135,9 +135,11 @@ def train(config: Config, rank: int, world_size: int, device: torch.device) -> d
         if loop.checkpoint_due():
             if rank == 0:
                 save_plain(run.checkpoint, state)
+            run.keep_checkpoint(state["step"])
     loop.close()
     if rank == 0:
         save_plain(run.checkpoint, state)
+    run.keep_checkpoint(state["step"])
     if stop.reason:
         return stop.report(run, state["step"])
 

@@ -74,8 +74,10 @@ def main(config: Config) -> dict:
             break
         if loop.checkpoint_due():
             fabric.save(run.checkpoint, state)
+            run.keep_checkpoint(state["step"])
     loop.close()
     fabric.save(run.checkpoint, state)
+    run.keep_checkpoint(state["step"])
     if stop.reason:
         return stop.report(run, state["step"])
 

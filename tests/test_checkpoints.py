@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import shutil
+import zipfile
 
 import pytest
 import torch
@@ -239,3 +240,130 @@ def test_a_failed_sharded_load_keeps_a_resource_or_peer_failure_as_itself(tmp_pa
         assert ("does not match" if isinstance(failure, ValueError) else "could not be read") in str(raised.value)
     else:
         assert raised.value is failure
+
+
+def _damage(checkpoint_path, how: str) -> str:
+    """Damage a checkpoint as storage does; return the file it names (the largest one of a directory)."""
+    files = [checkpoint_path] if checkpoint_path.is_file() else \
+        sorted((p for p in checkpoint_path.rglob("*") if p.is_file() and p.name != "manifest.json"),
+               key=lambda p: p.stat().st_size)
+    target = files[-1]
+    data = bytearray(target.read_bytes())
+    if how == "flip":  # one bit in the middle of the largest tensor's bytes: bit rot, a bad copy
+        middle = len(data) // 2
+        if zipfile.is_zipfile(target):  # (not in a zip's padding, which holds no data)
+            member = max(zipfile.ZipFile(target).infolist(), key=lambda info: info.file_size)
+            at = member.header_offset
+            start = at + 30 + int.from_bytes(data[at + 26:at + 28], "little") + \
+                int.from_bytes(data[at + 28:at + 30], "little")  # past the local header, its name and extra field
+            middle = start + member.file_size // 2
+        data[middle] ^= 0x10
+        target.write_bytes(data)
+    elif how == "truncate":  # a partial copy
+        target.write_bytes(data[:len(data) - 100])
+    elif how == "missing":
+        target.unlink()
+    elif how == "extra":  # a shard from another run copied in
+        shutil.copy(target, target.with_name("__9_0.distcp"))
+        return "__9_0.distcp"
+    return target.name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("source", ["singlex1", "plain", "ddpx2", "fsdpx2", "deepspeed_stage_2x2",
+                                    "deepspeed_stage_3x2"])
+@pytest.mark.parametrize("how", ["flip", "truncate", "missing", "extra"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file_never_loaded(saved, tmp_path, source, how):
+    """Each format's checksums (the zip's CRCs of a file, manifest.json of a directory) are checked before a load
+    uses the checkpoint; a clean copy of the same checkpoint loads."""
+    if not (saved / source).exists():
+        pytest.skip(f"{source} was not saved (DeepSpeed not installed)")
+    name = "ckpt"
+    original = saved / source / name
+    if original.is_file() and how in ("missing", "extra"):
+        pytest.skip("one file: nothing to lose or add beside it")
+    copy = tmp_path / name
+    (shutil.copytree if original.is_dir() else shutil.copy)(original, copy)
+    assert Fabric(accelerator="cpu").load(copy)  # whole, it loads
+    damaged = _damage(copy, how)
+    with pytest.raises(CheckpointError) as refused:
+        Fabric(accelerator="cpu").load(copy)
+    message = str(refused.value)
+    assert message.startswith(f"The checkpoint {copy} changed after it was saved") and "\n" not in message
+    assert damaged in message or "the zip's end is missing" in message or "/data/" in message, message
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_saved_without_checksums_loads_with_a_note(saved, tmp_path, capfd):
+    """What core wrote before it recorded checksums (a directory without manifest.json) and torch's legacy
+    (non-zip) format still load, each with a one-line note."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saved / "fsdpx2" / "ckpt", copy)
+    (copy / "manifest.json").unlink()
+    assert Fabric(accelerator="cpu").load(copy)
+    model = nn.Linear(4, 4)
+    torch.save({"model": model.state_dict()}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    Fabric(accelerator="cpu").load(tmp_path / "legacy.pt", {"model": model})
+    notes = capfd.readouterr().err.strip().splitlines()
+    assert notes == [f"[core] {copy} holds no manifest.json (saved before core recorded checksums): loaded without "
+                     f"checking its bytes.",
+                     f"[core] {tmp_path / 'legacy.pt'} is not a zip (torch.save's legacy format, or another "
+                     f"tool's): it holds no checksums: loaded without checking its bytes."]
+
+
+@pytest.mark.multiprocess
+def test_a_run_resumed_from_a_damaged_sharded_checkpoint_stops_with_one_line(tmp_path):
+    """The user's path: an fsdp run on 2 processes, one bit of its largest shard flipped, then --resume naming that
+    checkpoint: exit 2 and one line naming the shard (the ranks share out the checksums and refuse together in
+    fabric.load), nothing trained."""
+    run(["-m", "autoencoder.train", "--strategy", "fsdp", "--devices", "2", "--max-steps", "2", "--out",
+         str(tmp_path / "run")], timeout=300)
+    shard = _damage(tmp_path / "run" / "checkpoints" / "last.ckpt", "flip")
+    result = run(["-m", "autoencoder.train", "--resume", str(tmp_path / "run" / "checkpoints" / "last.ckpt"),
+                  "--max-steps", "4"], check=False, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert f"{shard}: does not match the CRC-32 saved with it" in errors[0]
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1] <= 2
+
+
+def test_resume_auto_skips_a_damaged_checkpoint_for_the_newest_kept_one_and_finishes_as_if_uninterrupted(tmp_path):
+    """--keep-checkpoints 2 --checkpoint-every 2: steps 2 and 4 kept, last.ckpt the hard link of step 4's. Its bytes
+    damaged (both names), --resume auto says what it skipped and why, goes on from step 2, and ends with the weights
+    of a run never interrupted; when every kept checkpoint is damaged, it stops with one line."""
+    flags = ["-m", "autoencoder.train", "--checkpoint-every", "2", "--keep-checkpoints", "2"]
+    run([*flags, "--max-steps", "4", "--out", str(tmp_path / "run")], timeout=300)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step-00000002.ckpt", "step-00000004.ckpt"]
+    _damage(checkpoints / "last.ckpt", "flip")
+    resumed = run([*flags, "--max-steps", "6", "--out", str(tmp_path / "run"), "--resume", "auto"], timeout=300)
+    assert "[resume] skipped last.ckpt (its part" in resumed.stderr and \
+        f"resuming from {checkpoints / 'step-00000002.ckpt'}" in resumed.stderr, resumed.stderr[-2000:]
+    run([*flags, "--max-steps", "6", "--out", str(tmp_path / "straight")], timeout=300)
+    weights = [torch.load(out / "checkpoints" / "last.ckpt")["model"] for out in (tmp_path / "run",
+                                                                               tmp_path / "straight")]
+    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[1])
+    for path in [checkpoints / "last.ckpt", *checkpoints.glob("step-*.ckpt")]:
+        _damage(path, "truncate")
+    refused = run([*flags, "--max-steps", "8", "--out", str(tmp_path / "run"), "--resume", "auto"], check=False,
+                  timeout=300)
+    assert refused.returncode == 2 and "every checkpoint of the run changed after it was saved" in refused.stderr
+    assert len([line for line in refused.stderr.splitlines() if "error:" in line]) == 1
+
+
+def test_a_one_file_save_killed_mid_write_leaves_a_temporary_the_next_save_or_resume_clears(tmp_path):
+    """atomic_write's `.NAME.tmp-PID` of a process that is gone is removed by the next save of that path and by a
+    load (a resume); one of a live process (another writer) is left alone."""
+    import subprocess
+    import sys
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    path = tmp_path / "last.ckpt"
+    left = tmp_path / f".last.ckpt.tmp-{gone.stdout.strip()}"
+    live = tmp_path / f".last.ckpt.tmp-{os.getppid()}"
+    fabric = Fabric(accelerator="cpu")
+    model = fabric.setup(nn.Linear(2, 2))
+    for clear in (lambda: fabric.save(path, {"model": model}), lambda: fabric.load(path, {"model": model})):
+        left.write_bytes(b"half a checkpoint")
+        live.write_bytes(b"")
+        clear()
+        assert not left.exists() and live.exists()

@@ -254,7 +254,8 @@ def test_the_workload_readmes_state_the_registrys_quality_targets(workload):
 # core's layers, bottom up: a module imports only from its own layer or the ones below (the longest name that
 # prefixes a module places it). Adding a strategy or a precision touches its own file and its table's line.
 CORE_LAYERS = [
-    ["core.errors", "core.shared", "core.seed", "core.nested", "core.checkpoint.files", "core.precision"],  # leaves
+    ["core.errors", "core.shared", "core.seed", "core.nested", "core.checkpoint.files", "core.checkpoint.integrity",
+     "core.precision"],  # leaves
     ["core.wrappers", "core.loaders"],  # what setup hands back: FabricModule, FabricOptimizer, FabricDataLoader
     ["core.checkpoint"],  # the formats behind one table (one file, sharded, DeepSpeed)
     ["core.launcher"],  # starting, watching and ending the processes

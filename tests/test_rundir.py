@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -433,6 +434,29 @@ def test_two_new_runs_in_one_named_out_at_once_the_second_gets_one_line(tmp_path
     assert (other / "config.json").is_file() and not (other / rundir.CLAIM).exists()
 
 
+def test_a_claim_that_keeps_going_stale_or_is_not_written_yet_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Two races of the claim: another process between its open and its write (an empty claim) is named as such,
+    and a stale claim that is back at every try is refused (it ended in an UnboundLocalError)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / rundir.CLAIM).write_text("")  # its process has opened it, not yet written its name
+    with pytest.raises(ValueError, match=r"another run is starting there \(a process that has not written its name"):
+        RunDir(str(out), "autoencoder").start(AutoencoderConfig(out=str(out)), 0)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = f"{socket.gethostname()} {gone.stdout.strip()}"
+    opened = os.open
+
+    def a_stale_claim_every_time(path, flags, *args):  # another run killed mid-start, again and again
+        if str(path).endswith(rundir.CLAIM) and flags & os.O_EXCL:
+            Path(path).write_text(stale)
+            raise FileExistsError(path)
+        return opened(path, flags, *args)
+    monkeypatch.setattr(os, "open", a_stale_claim_every_time)
+    (out / rundir.CLAIM).unlink()
+    with pytest.raises(ValueError, match="other runs keep starting there; pass a new --out"):
+        RunDir(str(out), "autoencoder").start(AutoencoderConfig(out=str(out)), 0)
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
 def test_a_plain_resume_of_a_run_trained_in_another_precision_says_so(tmp_path, capsys, precision):
     run_dir = make_run(tmp_path / "run", precision=precision, workload="autoencoder")
@@ -441,3 +465,41 @@ def test_a_plain_resume_of_a_run_trained_in_another_precision_says_so(tmp_path, 
     assert ("--precision bf16-mixed; this script computes in float32" in said) == (precision == "bf16-mixed"), said
     parsed("--resume", str(run_dir))  # the wrapped script keeps the run's precision: nothing to say
     assert "float32" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["file", "directory"])
+def test_the_last_checkpoints_are_kept_as_hard_links_and_the_oldest_removed(tmp_path, layout):
+    """--keep-checkpoints 3: after each save, checkpoints/step-N.ckpt links last.ckpt's bytes (no second copy), and
+    only the newest 3 stay; a later save writes last.ckpt anew without touching them."""
+    directory = RunDir(str(tmp_path / "run"), "autoencoder")
+    directory.start(AutoencoderConfig(keep_checkpoints=3), 0)
+    for step in range(1, 6):
+        directory.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        fresh = directory.checkpoint.with_name(".new")  # a save writes anew and renames over last.ckpt
+        if layout == "file":
+            fresh.write_text(f"step {step}")
+        else:
+            fresh.mkdir()
+            (fresh / "__0_0.distcp").write_text(f"step {step}")
+        if directory.checkpoint.is_dir():
+            shutil.rmtree(directory.checkpoint)
+        os.replace(fresh, directory.checkpoint)
+        directory.keep_checkpoint(step)
+    assert [step for step, _ in rundir.kept_checkpoints(directory.path)] == [3, 4, 5]
+    for step, path in rundir.kept_checkpoints(directory.path):
+        inner = Path("__0_0.distcp") if layout == "directory" else Path()
+        assert (path / inner).read_text() == f"step {step}"
+    newest = directory.checkpoint / ("__0_0.distcp" if layout == "directory" else "")
+    kept = rundir.kept_checkpoints(directory.path)[-1][1] / ("__0_0.distcp" if layout == "directory" else "")
+    assert os.stat(newest).st_ino == os.stat(kept).st_ino  # a hard link
+
+
+def test_keep_checkpoints_1_keeps_last_ckpt_alone_and_0_is_refused(tmp_path):
+    directory = RunDir(str(tmp_path / "run"), "autoencoder")
+    directory.start(AutoencoderConfig(keep_checkpoints=1), 0)
+    directory.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+    directory.checkpoint.write_text("x")
+    directory.keep_checkpoint(1)
+    assert sorted(p.name for p in directory.checkpoint.parent.iterdir()) == ["last.ckpt"]
+    result = run(["-m", "autoencoder.train", "--keep-checkpoints", "0"], check=False)
+    assert result.returncode == 2 and "error: --keep-checkpoints must be >= 1, got 0" in result.stderr

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from core.checkpoint import integrity
 from core.errors import CoreValueError
 
 STATE = "state.pt"  # in a sharded or DeepSpeed checkpoint directory: everything that is not a tensor
@@ -52,6 +53,7 @@ def atomic_write(path, write, mode: str = "wb") -> None:
     at `path` (a sharded or DeepSpeed checkpoint of the run's earlier strategy) is moved aside first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    clear_stale_temporaries(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, mode, **({} if "b" in mode else {"newline": ""})) as f:
@@ -70,6 +72,20 @@ def atomic_write(path, write, mode: str = "wb") -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def clear_stale_temporaries(path: Path) -> None:
+    """Delete the temporary files (`.NAME.tmp-PID`) that writes of `path` killed mid-way left, those whose process
+    is gone (a live one may be writing: a run sharing the directory, refused by the run's claim)."""
+    for tmp in Path(path).parent.glob(f".{Path(path).name}.tmp-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                tmp.unlink(missing_ok=True)
+            except PermissionError:  # another user's live process
+                pass
 
 
 def atomic_save(obj, path) -> None:
@@ -111,6 +127,7 @@ def replace_directory(tmp: Path, path: Path, rank: int, barrier) -> None:
     if rank == 0:
         if tmp.is_dir():  # (atomic_save also moves a file here over an earlier strategy's directory)
             (tmp / ".created-by-rank-0").unlink(missing_ok=True)  # clear_directory's
+            integrity.write_manifest(tmp)  # every rank has written its files
         recover(path)  # an earlier save killed in its renames or its cleanup
         old = aside(path)
         if path.exists():
@@ -136,8 +153,10 @@ def remove(path: Path) -> None:
 def recover(path) -> None:
     """Mend what a replace_directory killed at any point left: with `path` missing, put the checkpoint at
     `.NAME.old` back (killed between the two renames; every rank may call this, the first rename wins); with
-    `path` whole, delete `.NAME.old` (killed while removing it), which would otherwise stop the next save."""
+    `path` whole, delete `.NAME.old` (killed while removing it), which would otherwise stop the next save. Also
+    delete the temporary files of one-file writes killed mid-way."""
     path = Path(path)
+    clear_stale_temporaries(path)
     old = aside(path)
     if not old.exists() and not old.is_symlink():
         return

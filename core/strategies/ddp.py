@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from core import launcher
+from core import checkpoint, launcher
 from core.errors import CoreRuntimeError, CoreTypeError, CoreValueError
 from core.strategies.single import SingleDevice
 
@@ -88,6 +88,14 @@ class DDP(SingleDevice):
     def no_backward_sync(self, module):
         forward = module._forward_module
         return forward.no_sync() if isinstance(forward, DistributedDataParallel) else nullcontext()
+
+    def verify_checkpoint(self, path) -> None:
+        """As one device's, with the files' checksums shared out among the ranks and every rank refusing together."""
+        found, note = checkpoint.integrity.problems(path, self.global_rank, self.world_size)
+        everyone = [None] * self.world_size
+        with self._named_timeout("checking a checkpoint's checksums"):
+            dist.all_gather_object(everyone, found)
+        self._verdict(path, sorted({problem for found in everyone for problem in found}), note)
 
     def barrier(self, timeout: float | None = None) -> None:
         """All ranks meet; `timeout` (seconds) bounds the wait where it is not the process group's."""

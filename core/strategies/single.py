@@ -1,5 +1,6 @@
 """The base strategy: one process, one device. Every other strategy extends it and overrides what it changes
 (how a module is wrapped, how gradients are synchronised, the collectives, how state is saved)."""
+import sys
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -118,6 +119,20 @@ class SingleDevice:
         if self.global_rank == 0:
             checkpoint.save_file(state, path)
         self.barrier()
+
+    def verify_checkpoint(self, path) -> None:
+        """Refuse a checkpoint whose files do not match the checksums saved with them (core/checkpoint/integrity.py);
+        note one saved without checksums."""
+        found, note = checkpoint.integrity.problems(path)
+        self._verdict(path, found, note)
+
+    def _verdict(self, path, found: list[str], note: str | None) -> None:
+        if found:
+            error = checkpoint.CheckpointError(checkpoint.integrity.refusal(path, found))
+            error.every_rank = True  # the ranks agreed on it: a script's one line comes from rank 0
+            raise error
+        if note and self.global_rank == 0:
+            print(f"[core] {note}: loaded without checking its bytes.", file=sys.stderr, flush=True)
 
     def load_checkpoint(self, path, held=None) -> dict:
         """What `path` holds, for `restore` to load: here any format, read whole. `held()` gives what this

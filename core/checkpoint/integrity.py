@@ -1,0 +1,90 @@
+"""Checksums of what a save writes, checked before a load uses it: a changed byte, a truncated or missing file or
+an extra one is found, never loaded silently (torch's zip reader does not check the CRCs a zip holds, and DCP
+shards carry none).
+
+- One file (torch.save's zip): each member carries the CRC-32 the zip format records; `zipfile.testzip` reads
+  every member and compares (standard library, the zip's own checksums: nothing to add to the file).
+- A directory (sharded, DeepSpeed): `manifest.json`, written by rank 0 once every rank has written its files,
+  before the directory is renamed into place, lists each file's size and CRC-32 (zlib's, the same CRC as zip's).
+  CRC-32 rather than a cryptographic hash: it guards against bit rot and bad copies, not against an attacker (the
+  files are read with weights_only=True for that), and zlib computes it at a few GB/s.
+
+A checkpoint with neither (written by core before it recorded checksums, or a foreign non-zip file) still loads,
+with a note.
+"""
+import json
+import os
+import zipfile
+import zlib
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+CHUNK = 16 << 20  # bytes read at a time
+
+
+def crc32(path: Path) -> int:
+    value = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(directory: Path) -> None:
+    """List every file under `directory` with its size and CRC-32 in `directory/manifest.json`, flushed to disk."""
+    directory = Path(directory)
+    entries = {name: {"bytes": (directory / name).stat().st_size, "crc32": crc32(directory / name)}
+               for name in _files(directory)}
+    with open(directory / MANIFEST, "w") as f:
+        json.dump({"format": "core-manifest", "version": 1, "files": entries}, f, indent=0)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def problems(path, rank: int = 0, world_size: int = 1) -> tuple[list[str], str | None]:
+    """(what does not match, a note for a checkpoint without checksums) for the checkpoint at `path`. The files'
+    CRCs are shared out: this process reads every `world_size`-th file from its `rank` on; the names and sizes
+    every process checks."""
+    path = Path(path)
+    if path.is_file():
+        if not zipfile.is_zipfile(path):
+            with open(path, "rb") as f:
+                if f.read(4) == b"PK\x03\x04":  # a zip's start, without the record a zip ends with
+                    return ["the zip's end is missing (cut short)"], None
+            return [], f"{path} is not a zip (torch.save's legacy format, or another tool's): it holds no checksums"
+        if rank != 0:
+            return [], None
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+        except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as error:
+            return [f"its zip cannot be read ({error})"], None
+        return ([f"its part {bad} does not match the CRC-32 saved with it"] if bad else []), None
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return [], f"{path} holds no {MANIFEST} (saved before core recorded checksums)"
+    try:
+        listed = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as error:
+        return [f"its {MANIFEST} cannot be read ({error})"], None
+    present = _files(path)
+    found = [f"{name}: missing" for name in listed if name not in present]
+    found += [f"{name}: a file the save did not write" for name in present if name not in listed]
+    found += [f"{name}: {listed[name]['bytes']} bytes saved, {(path / name).stat().st_size} now" for name in present
+              if name in listed and (path / name).stat().st_size != listed[name]["bytes"]]
+    if not found:
+        for name in sorted(listed)[rank::world_size]:
+            if crc32(path / name) != listed[name]["crc32"]:
+                found.append(f"{name}: does not match the CRC-32 saved with it")
+    return found, None
+
+
+def refusal(path, found: list[str]) -> str:
+    """The one line a load that found `found` refuses with."""
+    shown = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+    return (f"The checkpoint {path} changed after it was saved (a flipped bit, a truncated or partial copy): "
+            f"{shown}. It was not loaded; resume from another checkpoint.")
