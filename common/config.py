@@ -7,8 +7,10 @@ with status 2 and one line: `python -m gan.train: error: ...`.
 """
 import argparse
 import dataclasses
+import errno
 import math
 import os
+import shutil
 import signal
 import sys
 import sysconfig
@@ -99,6 +101,14 @@ def cli(main, *config_classes, prog: str, description: str = ""):
         if getattr(error, "every_rank", False) and int(os.environ.get("RANK", "0")) != 0:
             sys.exit(2)  # every rank raised it together (an agreed verdict): rank 0 says it, once
         error_exit(prog, str(error))
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT) or os.environ.get("SUITE_TRACEBACK", "0") not in ("", "0"):
+            raise
+        failing()  # a log, a sample or a plot that found the disk full (a checkpoint says so itself, above)
+        where = error.filename or getattr(config, "out", "") or "the run directory"
+        free = shutil.disk_usage(where if os.path.isdir(where) else os.path.dirname(where) or ".").free / 2**20
+        error_exit(prog, f"no space left on the disk writing {where} ({free:.1f} MB free): free space there, or "
+                         f"move the run directory, then resume from its last checkpoint")
     except (FloatingPointError, TimeoutError) as error:  # diverged, or waited too long: no traceback needed
         failing()
         sys.stderr.write(f"{prog}: stopped: {error}\n")

@@ -367,3 +367,59 @@ def test_a_one_file_save_killed_mid_write_leaves_a_temporary_the_next_save_or_re
         live.write_bytes(b"")
         clear()
         assert not left.exists() and live.exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MB filesystem (tmpfs) at tmp_path/small: room for one of the autoencoder's checkpoints (3.8 MB), not two."""
+    import subprocess
+    disk = tmp_path / "small"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here (as root it can): {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_a_full_disk_at_a_save_stops_every_rank_with_one_line_and_loses_nothing(small_disk, tmp_path, strategy):
+    """The second save finds the disk full (on every rank under fsdp, whose shards share it): exit 2, one line with
+    the path, the space free and the size needed; the previous checkpoint whole, nothing partial left; moved to a
+    disk with room, the run resumes from it."""
+    devices = ["--strategy", "fsdp", "--devices", "2"] if strategy == "fsdp" else []
+    result = run(["-m", "autoencoder.train", *devices, "--max-steps", "4", "--checkpoint-every", "2", "--out",
+                  str(small_disk / "run")], check=False, timeout=300)
+    errors = [line[line.index("python -m"):] for line in result.stderr.replace("\r", "\n").splitlines()
+              if "error:" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith(f"python -m autoencoder.train: error: No space left to save the checkpoint "
+                                f"{small_disk / 'run' / 'checkpoints' / 'last.ckpt'}: ") and \
+        "MB free on its filesystem, about 3." in errors[0] and "The previous checkpoint is whole" in errors[0]
+    checkpoints = small_disk / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step-00000002.ckpt"]  # no .tmp
+    shutil.copytree(small_disk / "run", tmp_path / "moved")
+    resumed = run(["-m", "autoencoder.train", "--resume", str(tmp_path / "moved"), "--max-steps", "4"], timeout=300)
+    assert "at step 2" in resumed.stdout
+
+
+def test_a_full_disk_at_a_one_file_save_is_one_error_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    """Without a small filesystem: ENOSPC put into the file write (torch's zip writer turns it into 'unexpected
+    pos'), seen as lack of space, the temporary file removed, the previous checkpoint as it was."""
+    import errno
+
+    from core.checkpoint import space
+    fabric = Fabric(accelerator="cpu")
+    model = fabric.setup(nn.Linear(64, 64))
+    fabric.save(tmp_path / "last.ckpt", {"model": model})
+    before = (tmp_path / "last.ckpt").read_bytes()
+
+    def full(self, data):
+        self.error = OSError(errno.ENOSPC, "No space left on device")
+        raise self.error
+    monkeypatch.setattr(space.Recorder, "write", full)
+    with pytest.raises(checkpoint.NoSpace, match=r"No space left to save the checkpoint .*last.ckpt: [\d.]+ MB free "
+                                                 r"on its filesystem, about 0.0 MB needed"):
+        fabric.save(tmp_path / "last.ckpt", {"model": model})
+    assert (tmp_path / "last.ckpt").read_bytes() == before and sorted(os.listdir(tmp_path)) == ["last.ckpt"]

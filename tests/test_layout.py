@@ -255,7 +255,7 @@ def test_the_workload_readmes_state_the_registrys_quality_targets(workload):
 # prefixes a module places it). Adding a strategy or a precision touches its own file and its table's line.
 CORE_LAYERS = [
     ["core.errors", "core.shared", "core.seed", "core.nested", "core.checkpoint.files", "core.checkpoint.integrity",
-     "core.precision"],  # leaves
+     "core.checkpoint.space", "core.precision"],  # leaves
     ["core.wrappers", "core.loaders"],  # what setup hands back: FabricModule, FabricOptimizer, FabricDataLoader
     ["core.checkpoint"],  # the formats behind one table (one file, sharded, DeepSpeed)
     ["core.launcher"],  # starting, watching and ending the processes

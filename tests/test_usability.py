@@ -307,3 +307,26 @@ def test_a_value_error_from_inside_torch_is_a_crash_not_a_usage_error(tmp_path, 
     assert exited.value.code == 2
     assert capsys.readouterr().err == f"python -m x.train: error: --resume {tmp_path / 'missing'}: no checkpoint at " \
                                       f"{tmp_path / 'missing'}\n"
+
+
+def test_a_full_disk_while_writing_a_log_or_a_sample_is_one_line(tmp_path, monkeypatch, capsys):
+    """metrics.jsonl, the loggers' files and the samples are written by the run (common/), not by core's save: an
+    OSError for lack of space there exits 2 with one line naming where; any other OSError keeps its traceback."""
+    import errno
+
+    from common.config import RunConfig, cli
+
+    def log_on_a_full_disk(config):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "metrics.jsonl"))
+
+    def another_os_error(config):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(sys, "argv", ["prog"])
+    with pytest.raises(SystemExit) as exited:
+        cli(log_on_a_full_disk, RunConfig, prog="python -m x.train")
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"python -m x.train: error: no space left on the disk writing {tmp_path / 'metrics.jsonl'} (")
+    with pytest.raises(OSError, match="Input/output error"):
+        cli(another_os_error, RunConfig, prog="python -m x.train")

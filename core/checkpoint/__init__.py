@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from core.checkpoint.files import (FORMAT, MARKER, STATE, VERSION, CheckpointError, atomic_save,  # noqa: F401
+from core.checkpoint.files import (FORMAT, MARKER, STATE, VERSION, CheckpointError, NoSpace, atomic_save,  # noqa: F401
                                    clear_directory, indexed_optimizer_state, is_optimizer_entry, load_checkpoint,
                                    named_optimizer_state, recover, replace_directory, save_checkpoint, save_file, staging,
                                    trusted)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from core.checkpoint import integrity
+from core.checkpoint import integrity, space
 from core.errors import CoreValueError
 
 STATE = "state.pt"  # in a sharded or DeepSpeed checkpoint directory: everything that is not a tensor
@@ -47,25 +47,34 @@ class CheckpointError(CoreValueError):
     """A checkpoint that cannot be used: missing, corrupt, foreign, unsafe, or not matching the run."""
 
 
-def atomic_write(path, write, mode: str = "wb") -> None:
+class NoSpace(CheckpointError):
+    """A save that failed for lack of space; its message is the one line that says so (space.message)."""
+
+
+def atomic_write(path, write, mode: str = "wb", needed: int | None = None) -> None:
     """`write(f)` into a temporary file beside `path`, flushed to disk, then renamed over `path`: a reader (or a
     later run) sees the old file or the new one, never a partial one, also after a crash mid-write. A directory
-    at `path` (a sharded or DeepSpeed checkpoint of the run's earlier strategy) is moved aside first."""
+    at `path` (a sharded or DeepSpeed checkpoint of the run's earlier strategy) is moved aside first. A write that
+    fails for lack of space is a NoSpace error (`needed`: the bytes it would write, for its message)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clear_stale_temporaries(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    recorder = None
     try:
         with open(tmp, mode, **({} if "b" in mode else {"newline": ""})) as f:
-            write(f)
+            recorder = space.Recorder(f)
+            write(recorder)
             f.flush()
             os.fsync(f.fileno())
         if path.is_dir():
             replace_directory(tmp, path, 0, lambda: None)
         else:
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         tmp.unlink(missing_ok=True)
+        if space.lack_of_space(error) or space.lack_of_space(getattr(recorder, "error", None)):
+            raise NoSpace(space.message(path, needed)) from error
         raise
     fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
     try:
@@ -90,7 +99,7 @@ def clear_stale_temporaries(path: Path) -> None:
 
 def atomic_save(obj, path) -> None:
     """`torch.save(obj)` to `path` through atomic_write."""
-    atomic_write(path, lambda f: torch.save(obj, f))
+    atomic_write(path, lambda f: torch.save(obj, f), needed=space.tensor_bytes(obj))
 
 
 def staging(path: Path) -> Path:

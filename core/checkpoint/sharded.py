@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from core.checkpoint import files
+from core.checkpoint import files, space
 
 STATE = files.STATE
 
@@ -70,9 +70,10 @@ def is_sharded(path) -> bool:
     return (Path(path) / ".metadata").is_file()
 
 
-def save(path, state: dict, rank: int, barrier) -> None:
+def save(path, state: dict, rank: int, barrier, stop_together=lambda problem: None) -> None:
     """Write `state` (every rank passes its own view: DTensors for its shards, full tensors where replicated)
-    as a sharded checkpoint directory, atomically: a temporary directory renamed into place."""
+    as a sharded checkpoint directory, atomically: a temporary directory renamed into place. A rank that finds
+    no space: `stop_together(its line)` (every rank calls it) stops them all, the temporary directory removed."""
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
@@ -80,13 +81,29 @@ def save(path, state: dict, rank: int, barrier) -> None:
     files.clear_directory(tmp, rank, barrier)
     tensors, rest = split(state)
     alone = not torch.distributed.is_initialized()  # one process: no group to coordinate
-    with _alone_is_intended():
-        # a tensor every rank holds whole is written once; by rank 0, whose copy a one-process save or the plain
-        # scripts would keep (BatchNorm statistics that differ per rank: DCP's default picks any rank)
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=alone,
-                 planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
-    if rank == 0:
-        files.save_checkpoint(rest, tmp / STATE)
+    problem = None
+    try:
+        with _alone_is_intended():
+            # a tensor every rank holds whole is written once; by rank 0, whose copy a one-process save or the
+            # plain scripts would keep (BatchNorm statistics that differ per rank: DCP's default picks any rank)
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=alone,
+                     planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+        if rank == 0:
+            files.save_checkpoint(rest, tmp / STATE)
+    except BaseException as error:  # (DCP's CheckpointException is one) no space: said together; the rest: as is
+        if not space.lack_of_space(error):
+            raise
+        problem = "no space"
+    try:
+        stop_together(problem)
+    except files.NoSpace:
+        if rank == 0:
+            files.remove(tmp)
+        # said by rank 0, once the partial files are gone: the space free now, and the previous checkpoint's size
+        previous = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else None
+        error = files.NoSpace(space.message(path, previous))
+        error.every_rank = True
+        raise error from None
     files.replace_directory(tmp, path, rank, barrier)
 
 

@@ -97,6 +97,12 @@ class DDP(SingleDevice):
             dist.all_gather_object(everyone, found)
         self._verdict(path, sorted({problem for found in everyone for problem in found}), note)
 
+    def stop_together(self, problem: str | None) -> None:
+        everyone = [None] * self.world_size
+        with self._named_timeout("agreeing on a save"):
+            dist.all_gather_object(everyone, problem)
+        super().stop_together(next((found for found in everyone if found is not None), None))
+
     def barrier(self, timeout: float | None = None) -> None:
         """All ranks meet; `timeout` (seconds) bounds the wait where it is not the process group's."""
         with self._named_timeout("barrier", timeout):

@@ -166,7 +166,7 @@ class FSDP(DDP):
     # sharded here
     def save_checkpoint(self, path, state: dict) -> None:
         from core.checkpoint import sharded
-        sharded.save(path, state, self.global_rank, self.barrier)
+        sharded.save(path, state, self.global_rank, self.barrier, self.stop_together)
 
     def load_checkpoint(self, path, held=None) -> dict:
         """A sharded checkpoint is read straight into this rank's shards (`held()`: what `fabric.save` would

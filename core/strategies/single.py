@@ -116,9 +116,21 @@ class SingleDevice:
 
     # checkpoints: the logical checkpoint (full state dicts keyed by name) in one file, written by rank 0
     def save_checkpoint(self, path, state: dict) -> None:
+        problem = None
         if self.global_rank == 0:
-            checkpoint.save_file(state, path)
-        self.barrier()
+            try:
+                checkpoint.save_file(state, path)
+            except checkpoint.NoSpace as error:
+                problem = str(error)
+        self.stop_together(problem)
+
+    def stop_together(self, problem: str | None) -> None:
+        """After a save: every rank raises the NoSpace error of `problem` if any rank had one (one line, said by
+        rank 0), and meets the others either way."""
+        if problem is not None:
+            error = checkpoint.NoSpace(problem)
+            error.every_rank = True
+            raise error
 
     def verify_checkpoint(self, path) -> None:
         """Refuse a checkpoint whose files do not match the checksums saved with them (core/checkpoint/integrity.py);
