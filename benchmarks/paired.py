@@ -8,7 +8,8 @@ Each round runs one short block of `steps` steps of every side, in an order draw
 on the same data. A block is timed by wall clock and by the process's CPU time (user+sys of every thread);
 the ratio of a side to "plain" is taken round by round, so a change of the machine's speed between rounds (this
 2-core machine is shared) falls on both sides of a ratio. The estimate is the 20%-trimmed mean of the rounds'
-log ratios, and its 95% interval a percentile bootstrap over rounds.
+log ratios, and its 95% interval a percentile bootstrap over rounds (scipy.stats.trim_mean and
+scipy.stats.bootstrap).
 
 Verdict on a target (wrapped <= target x plain): "yes" when the interval's upper end is under the target, "no"
 when its lower end is over it, "no verdict (noise +-X%)" otherwise, X the interval's half-width.
@@ -26,6 +27,9 @@ import math
 import random
 import statistics
 import time
+
+import numpy as np
+from scipy import stats
 
 TRIM = 0.2  # of the rounds' log ratios at each end: a block hit by another process's burst counts as an outlier
 RESAMPLES = 2000
@@ -119,20 +123,17 @@ def ratios(samples: dict, seed: int = 0) -> dict:
             for name, values in samples.items() if name != "plain"}
 
 
-def _trimmed_mean(values: list[float]) -> float:
-    values = sorted(values)
-    cut = int(len(values) * TRIM)
-    kept = values[cut:len(values) - cut] or values
-    return sum(kept) / len(kept)
+def _trimmed_mean(values, axis=-1):
+    return stats.trim_mean(values, TRIM, axis=axis)
 
 
 def summarize(side: list[float], plain: list[float], seed: int = 0) -> dict:
     """The ratio side/plain, paired by round: estimate (exp of the trimmed mean of log ratios) and 95% interval
-    (percentile bootstrap over rounds)."""
-    logs = [math.log(s / p) for s, p in zip(side, plain) if s > 0 and p > 0]
-    draw = random.Random(seed)
-    boot = sorted(_trimmed_mean(draw.choices(logs, k=len(logs))) for _ in range(RESAMPLES))
-    low, high = boot[int(0.025 * RESAMPLES)], boot[int(0.975 * RESAMPLES) - 1]
+    (percentile bootstrap over rounds), both scipy's."""
+    logs = np.log([s / p for s, p in zip(side, plain) if s > 0 and p > 0])
+    boot = stats.bootstrap((logs,), _trimmed_mean, n_resamples=RESAMPLES, confidence_level=0.95,
+                           method="percentile", rng=np.random.default_rng(seed))
+    low, high = boot.confidence_interval
     return {"ratio": math.exp(_trimmed_mean(logs)), "interval": [math.exp(low), math.exp(high)], "rounds": len(logs),
             "side_s": statistics.median(side), "plain_s": statistics.median(plain)}
 
