@@ -19,14 +19,16 @@ import zlib
 from pathlib import Path
 
 MANIFEST = "manifest.json"
-CHUNK = 16 << 20  # bytes read at a time
+CHUNK = 4 << 20  # bytes read at a time, into one buffer (a new one per read costs more than the CRC, where large
+# allocations are mappings of their own)
 
 
 def crc32(path: Path) -> int:
-    value = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            value = zlib.crc32(chunk, value)
+    value, buffer = 0, bytearray(CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while read := f.readinto(buffer):
+            value = zlib.crc32(view[:read], value)
     return value
 
 
