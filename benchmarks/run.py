@@ -258,7 +258,7 @@ def run_checkpoint(quick: bool) -> str:
                 f"\nGoal: saving sharded adds at most a bounded buffer ({bound} MB) to rank 0: "
                 f"{_mark(r['sharded_save_rank0_extra_mb'] <= bound)}.\n\n"
                 f"Checksums (core/checkpoint/integrity.py), inside those figures: the sharded load checks every file "
-                f"against its CRC-32 before using it, the ranks sharing the files out: {r['sharded_verify_s']:.3f} s, "
+                f"against its saved hash before using it, the ranks sharing the files out: {r['sharded_verify_s']:.3f} s, "
                 f"{r['sharded_verify_s'] / r['sharded_load_s']:.0%} of the load (goal: under 10%: "
                 f"{_mark(r['sharded_verify_s'] <= 0.1 * r['sharded_load_s'])}); the save's manifest, written by rank 0 "
                 f"over every rank's files: {r['sharded_manifest_s']:.3f} s, "

@@ -323,7 +323,7 @@ def test_a_run_resumed_from_a_damaged_sharded_checkpoint_stops_with_one_line(tmp
                   "--max-steps", "4"], check=False, timeout=300)
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
-    assert f"{shard}: does not match the CRC-32 saved with it" in errors[0]
+    assert f"{shard}: does not match the checksum saved with it" in errors[0]
     assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1] <= 2
 
 

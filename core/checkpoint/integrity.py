@@ -5,9 +5,10 @@ shards carry none).
 - One file (torch.save's zip): each member carries the CRC-32 the zip format records; `zipfile.testzip` reads
   every member and compares (standard library, the zip's own checksums: nothing to add to the file).
 - A directory (sharded, DeepSpeed): `manifest.json`, written by rank 0 once every rank has written its files,
-  before the directory is renamed into place, lists each file's size and CRC-32 (zlib's, the same CRC as zip's).
-  CRC-32 rather than a cryptographic hash: it guards against bit rot and bad copies, not against an attacker (the
-  files are read with weights_only=True for that), and zlib computes it at a few GB/s.
+  before the directory is renamed into place, lists each file's size and XXH3-64 hash (the `xxhash` package).
+  A fast non-cryptographic hash: it guards against bit rot and bad copies, not against an attacker (the files
+  are read with weights_only=True for that). XXH3 runs at the speed of reading the file from memory here; zlib's
+  CRC-32 took 2.5x as long (0.27 s against 0.11 s for a 576 MB shard), a third of the load it guards.
 
 A checkpoint with neither (written by core before it recorded checksums, or a foreign non-zip file) still loads,
 with a note.
@@ -18,18 +19,21 @@ import zipfile
 import zlib
 from pathlib import Path
 
+import xxhash
+
 MANIFEST = "manifest.json"
-CHUNK = 4 << 20  # bytes read at a time, into one buffer (a new one per read costs more than the CRC, where large
+CHUNK = 4 << 20  # bytes read at a time, into one buffer (a new one per read costs more than the hash, where large
 # allocations are mappings of their own)
 
 
-def crc32(path: Path) -> int:
-    value, buffer = 0, bytearray(CHUNK)
+def digest(path: Path) -> str:
+    """The file's XXH3-64 hash, hex."""
+    hasher, buffer = xxhash.xxh3_64(), bytearray(CHUNK)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
         while read := f.readinto(buffer):
-            value = zlib.crc32(view[:read], value)
-    return value
+            hasher.update(view[:read])
+    return hasher.hexdigest()
 
 
 def _files(directory: Path) -> list[str]:
@@ -37,19 +41,19 @@ def _files(directory: Path) -> list[str]:
 
 
 def write_manifest(directory: Path) -> None:
-    """List every file under `directory` with its size and CRC-32 in `directory/manifest.json`, flushed to disk."""
+    """List every file under `directory` with its size and hash in `directory/manifest.json`, flushed to disk."""
     directory = Path(directory)
-    entries = {name: {"bytes": (directory / name).stat().st_size, "crc32": crc32(directory / name)}
+    entries = {name: {"bytes": (directory / name).stat().st_size, "xxh3_64": digest(directory / name)}
                for name in _files(directory)}
     with open(directory / MANIFEST, "w") as f:
-        json.dump({"format": "core-manifest", "version": 1, "files": entries}, f, indent=0)
+        json.dump({"format": "core-manifest", "version": 1, "hash": "xxh3_64", "files": entries}, f, indent=0)
         f.flush()
         os.fsync(f.fileno())
 
 
 def problems(path, rank: int = 0, world_size: int = 1) -> tuple[list[str], str | None]:
     """(what does not match, a note for a checkpoint without checksums) for the checkpoint at `path`. The files'
-    CRCs are shared out: this process reads every `world_size`-th file from its `rank` on; the names and sizes
+    hashes are shared out: this process reads every `world_size`-th file from its `rank` on; the names and sizes
     every process checks."""
     path = Path(path)
     if path.is_file():
@@ -65,7 +69,7 @@ def problems(path, rank: int = 0, world_size: int = 1) -> tuple[list[str], str |
                 bad = archive.testzip()
         except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as error:
             return [f"its zip cannot be read ({error})"], None
-        return ([f"its part {bad} does not match the CRC-32 saved with it"] if bad else []), None
+        return ([f"its part {bad} does not match the checksum (CRC-32) saved with it"] if bad else []), None
     manifest = path / MANIFEST
     if not manifest.is_file():
         return [], f"{path} holds no {MANIFEST} (saved before core recorded checksums)"
@@ -80,8 +84,8 @@ def problems(path, rank: int = 0, world_size: int = 1) -> tuple[list[str], str |
               if name in listed and (path / name).stat().st_size != listed[name]["bytes"]]
     if not found:
         for name in sorted(listed)[rank::world_size]:
-            if crc32(path / name) != listed[name]["crc32"]:
-                found.append(f"{name}: does not match the CRC-32 saved with it")
+            if digest(path / name) != listed[name]["xxh3_64"]:
+                found.append(f"{name}: does not match the checksum saved with it")
     return found, None
 
 
