@@ -17,6 +17,15 @@ def run_plain(program: dict, strategy: str, precision: str, seed: int, tmp: Path
 
     distributed = strategy != "single"
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    set_up = build(program, strategy, precision, world, seed)
+    loader = make_loader(program, world, rank, shard=True, seed=seed)
+    ops = PlainOps(strategy, precision, set_up, loader,
+                   rebuild=lambda: build(program, strategy, precision, world, seed + 1))
+    return train(program, loader, ops, tmp)
+
+
+def build(program: dict, strategy: str, precision: str, world: int, seed: int) -> list:
+    """The program's models, optimizers, schedulers and wrappers: [(model, [optimizers], [schedulers], wrapper)]."""
     engines = strategy.startswith("deepspeed")
     models = make_models(program, seed)
     if precision == "bf16-true" and not engines:  # a DeepSpeed engine converts the module itself
@@ -61,19 +70,16 @@ def run_plain(program: dict, strategy: str, precision: str, seed: int, tmp: Path
             continue
         schedulers = [torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if o["scheduler"] else None for o, opt in raw]
         set_up.append((model, [opt for _, opt in raw], schedulers, wrapper))
-    loader = make_loader(program, world, rank, shard=True, seed=seed)
-    ops = PlainOps(strategy, precision, set_up, loader)
-    return train(program, loader, ops, tmp)
+    return set_up
 
 
 class PlainOps:
     """The calls of one iteration, in plain PyTorch."""
 
-    def __init__(self, strategy, precision, set_up, loader):
-        self.strategy, self.precision, self.loader = strategy, precision, loader
+    def __init__(self, strategy, precision, set_up, loader, rebuild):
+        self.strategy, self.precision, self.loader, self._rebuild = strategy, precision, loader, rebuild
         self.engines = strategy.startswith("deepspeed")
-        self.set_up = [(model, opts, scheds) for model, opts, scheds, _ in set_up]
-        self.wrappers = [wrapper for *_, wrapper in set_up]
+        self.adopt_set_up(set_up)
         self.frozen_model = None
         # one GradScaler for every optimizer, where there is one to step
         self.scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" and any(
@@ -81,6 +87,14 @@ class PlainOps:
         self.stepped = False
         self.release = []  # fsdp modules kept gathered for a penalty's second backward
         self.world = torch.distributed.get_world_size() if strategy != "single" else 1
+
+    def adopt_set_up(self, set_up):
+        self.set_up = [(model, opts, scheds) for model, opts, scheds, _ in set_up]
+        self.wrappers = [wrapper for *_, wrapper in set_up]
+
+    def rebuild(self):
+        """New models, optimizers, schedulers and wrappers (other initial weights); the scaler stays the user's."""
+        self.adopt_set_up(self._rebuild())
 
     def start_epoch(self, epoch):
         for sampler in (self.loader.sampler, getattr(self.loader.batch_sampler, "sampler", None)):

@@ -62,6 +62,7 @@ def draw(rng: random.Random, strategy: str, precision: str) -> dict:
                 "reduce": rng.random() < 0.15,  # fabric.all_reduce and fabric.broadcast of the losses
                 "copy": rng.choice([None, "deepcopy", "pickle"]) if single and rng.random() < 0.2 else None}
         step["reload_optimizer"] = step["checkpoint"] and not deepspeed and rng.random() < 0.5
+        step["fresh"] = step["checkpoint"] and rng.random() < 0.5  # loaded into new objects, not the same ones
         steps.append(step)
     program = {"models": models, "loader": rng.choice(["shuffle", "batch_sampler", "subclass"]),
                "epochs": rng.choice([1, 2]), "steps": steps}
@@ -79,6 +80,7 @@ def fits(program: dict, strategy: str) -> bool:
     kinds = {"each", "accumulate"} | (set() if deepspeed else {"penalty", "penalty2", "probe"})
     kinds |= ({"pair"} | (set() if deepspeed else {"together"})) if len(models) > 1 else set()
     return all(step["kind"] in kinds and (strategy == "single" or not step["copy"])
+               and (step["checkpoint"] or not step.get("fresh"))
                and not (deepspeed and (step["clip"] or step["reload_optimizer"])) for step in program["steps"])
 
 
@@ -184,7 +186,9 @@ def train(program: dict, loader, ops, tmp: Path) -> dict:
             losses = one_iteration(step, program["models"], ops, x, y)
             if step["reduce"]:
                 extra["reduced"].append(ops.reduce(torch.stack(losses) if losses else torch.zeros(1)))
-            if step["checkpoint"]:  # back to the state before this iteration
+            if step["checkpoint"]:  # back to the state before this iteration: in the same objects, or new ones
+                if step["fresh"]:  # models, optimizers and schedulers built and set up again, other initial weights
+                    ops.rebuild()
                 ops.load(tmp / f"it{iteration}")
                 if step["reload_optimizer"]:
                     for (_, opts, _), states in zip(ops.set_up, snapshots):
@@ -297,7 +301,8 @@ def script(program: dict, strategy: str = "STRATEGY", precision: str = "PRECISIO
                      + (", called through model.score, marked" if spec["marked"] else "")
                      + f": {how}, optimizers [{opts}]")
     lines.append(f"loader: {program['loader']}, {program['epochs']} epoch(s); iterations cycle through:")
-    flags = ("clip", "lr_scale", "overflow", "checkpoint", "reload_optimizer", "no_model", "eval", "reduce", "copy")
+    flags = ("clip", "lr_scale", "overflow", "checkpoint", "fresh", "reload_optimizer", "no_model", "eval", "reduce",
+             "copy")
     for step in program["steps"]:
         extras = [f"{name}={step[name]}" if step[name] is not True else name for name in flags if step[name]]
         extras += [] if step["set_to_none"] else ["zero_grad(set_to_none=False)"]

@@ -2,7 +2,8 @@
 option off; the shrinker keeps the first that still fails and starts again from it."""
 import copy
 
-STEP_OPTIONS = {"clip": None, "lr_scale": None, "overflow": False, "checkpoint": False, "reload_optimizer": False,
+STEP_OPTIONS = {"clip": None, "lr_scale": None, "overflow": False, "checkpoint": False, "fresh": False,
+                "reload_optimizer": False,
                 "no_model": False, "eval": False, "reduce": False, "copy": None, "set_to_none": True}
 MODEL_OPTIONS = {"split": False, "norm": False, "frozen": False, "marked": False, "width": 4}
 ONE_MODEL_KINDS = ("each", "accumulate", "penalty", "penalty2", "probe")  # what one model can run
@@ -33,7 +34,7 @@ def simpler(program: dict):
                 candidate = copy.deepcopy(program)
                 candidate["steps"][s][name] = off
                 if name == "checkpoint":
-                    candidate["steps"][s]["reload_optimizer"] = False
+                    candidate["steps"][s].update(reload_optimizer=False, fresh=False)
                 yield candidate
     for j, spec in enumerate(models):
         for name, off in MODEL_OPTIONS.items():

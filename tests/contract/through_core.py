@@ -17,6 +17,15 @@ def run_core(program: dict, strategy: str, precision: str, seed: int, tmp: Path,
     else:  # the program's bound on every collective, so a program that hangs one rank fails instead
         fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2, precision=precision, timeout=timeout)
         fabric.launch()
+    set_up = build(fabric, program, seed)
+    loader = make_loader(program, fabric.world_size, fabric.global_rank, shard=False, seed=seed)
+    loader = fabric.setup_dataloaders(loader, use_distributed_sampler=program["loader"] != "batch_sampler")
+    ops = CoreOps(fabric, set_up, rebuild=lambda: build(fabric, program, seed + 1))
+    return train(program, loader, ops, tmp)
+
+
+def build(fabric, program: dict, seed: int) -> list:
+    """The program's models, optimizers and schedulers, set up: [(model, [optimizers], [schedulers or None])]."""
     models = make_models(program, seed)
     set_up = []  # (model, [optimizers], [schedulers or None])
     for index, (model, spec) in enumerate(zip(models, program["models"])):
@@ -37,17 +46,18 @@ def run_core(program: dict, strategy: str, precision: str, seed: int, tmp: Path,
         schedulers = [torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if o["scheduler"] == "after" else s
                       for opt, o, s in zip(optimizers, spec["optimizers"], schedulers)]
         set_up.append((model, optimizers, schedulers))
-    loader = make_loader(program, fabric.world_size, fabric.global_rank, shard=False, seed=seed)
-    loader = fabric.setup_dataloaders(loader, use_distributed_sampler=program["loader"] != "batch_sampler")
-    ops = CoreOps(fabric, set_up)
-    return train(program, loader, ops, tmp)
+    return set_up
 
 
 class CoreOps:
     """The calls of one iteration, through core."""
 
-    def __init__(self, fabric, set_up):
-        self.fabric, self.set_up = fabric, set_up
+    def __init__(self, fabric, set_up, rebuild):
+        self.fabric, self.set_up, self._rebuild = fabric, set_up, rebuild
+
+    def rebuild(self):
+        """New models, optimizers and schedulers (other initial weights), set up by the same Fabric."""
+        self.set_up = self._rebuild()
 
     def start_epoch(self, epoch):
         pass  # core calls set_epoch on the loader's samplers
