@@ -16,6 +16,9 @@ from core.errors import CoreValueError
 
 def convert(source, target) -> dict:
     """Write `source` (a checkpoint or a run directory) as one plain file at `target`; return what was written."""
+    found, _ = checkpoint.integrity.problems(source)  # a new file would carry new checksums over changed bytes
+    if found:
+        raise checkpoint.CheckpointError(checkpoint.integrity.refusal(source, found))
     state = checkpoint.read(source)
     plain = {}
     for key, value in state.items():

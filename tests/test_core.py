@@ -357,6 +357,13 @@ class TestPrecision:
         trained.step()
         after = list(model.parameters())
         assert torch.equal(before[0], after[0]) and not torch.equal(before[2], after[2])
+        for _ in range(2):  # clipped too, alone: nothing to unscale, and no unscale_ left pending for the next step
+            fabric.backward(model(torch.randn(2, 4)).sum() * 1e-4)
+            fabric.clip_gradients(model, frozen, clip_val=1.0)
+            frozen.step()
+        trained.zero_grad()  # a closure still goes to GradScaler, which refuses it (never a step on scaled gradients)
+        with pytest.raises(RuntimeError, match="Closure use is not currently supported if GradScaler is enabled"):
+            trained.step(lambda: fabric.backward(model(torch.randn(2, 4)).sum()))
 
     def test_a_set_up_model_unpickled_in_another_process_is_refused_with_what_to_do(self, tmp_path):
         """A set-up object runs through its process's Fabric: another process has none, so unpickling it there is

@@ -21,6 +21,7 @@ from core.checkpoint import integrity, space
 from core.errors import CoreValueError
 
 STATE = "state.pt"  # in a sharded or DeepSpeed checkpoint directory: everything that is not a tensor
+CREATED = ".created-by-rank-0"  # in a checkpoint directory being written: that every rank sees rank 0's folder
 
 FORMAT = "core-checkpoint"
 VERSION = 2  # state.pt beside shards: {"format", "version", "state"}; optimizers by name (1: by index, still read)
@@ -115,7 +116,7 @@ def clear_directory(tmp: Path, rank: int, barrier) -> None:
     """Make `tmp` empty (rank 0: removing what a killed save left there) before every rank writes its shard into
     it, and make sure every rank sees it: on disks local to each node, a checkpoint would lack the other nodes'
     shards, so a rank that does not see rank 0's folder stops before anything is written."""
-    marker = tmp / ".created-by-rank-0"
+    marker = tmp / CREATED
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -135,8 +136,9 @@ def replace_directory(tmp: Path, path: Path, rank: int, barrier) -> None:
     barrier()
     if rank == 0:
         if tmp.is_dir():  # (atomic_save also moves a file here over an earlier strategy's directory)
-            (tmp / ".created-by-rank-0").unlink(missing_ok=True)  # clear_directory's
-            integrity.write_manifest(tmp)  # every rank has written its files
+            (tmp / CREATED).unlink(missing_ok=True)  # clear_directory's
+            if not (tmp / integrity.MANIFEST).exists():  # (sharded.save writes it where a full disk is agreed on)
+                integrity.write_manifest(tmp)  # every rank has written its files
         recover(path)  # an earlier save killed in its renames or its cleanup
         old = aside(path)
         if path.exists():

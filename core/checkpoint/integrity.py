@@ -75,7 +75,7 @@ def problems(path, rank: int = 0, world_size: int = 1) -> tuple[list[str], str |
         return [], f"{path} holds no {MANIFEST} (saved before core recorded checksums)"
     try:
         listed = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, OSError) as error:
         return [f"its {MANIFEST} cannot be read ({error})"], None
     present = _files(path)
     found = [f"{name}: missing" for name in listed if name not in present]
@@ -84,13 +84,16 @@ def problems(path, rank: int = 0, world_size: int = 1) -> tuple[list[str], str |
               if name in listed and (path / name).stat().st_size != listed[name]["bytes"]]
     if not found:
         for name in sorted(listed)[rank::world_size]:
-            if digest(path / name) != listed[name]["xxh3_64"]:
-                found.append(f"{name}: does not match the checksum saved with it")
+            try:
+                if digest(path / name) != listed[name]["xxh3_64"]:
+                    found.append(f"{name}: does not match the checksum saved with it")
+            except OSError as error:  # said by every rank together (a raise on one rank would hang the others)
+                found.append(f"{name}: cannot be read ({error.strerror or error})")
     return found, None
 
 
 def refusal(path, found: list[str]) -> str:
     """The one line a load that found `found` refuses with."""
     shown = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
-    return (f"The checkpoint {path} changed after it was saved (a flipped bit, a truncated or partial copy): "
+    return (f"The checkpoint {path} changed after it was saved (a flipped bit, a truncated or corrupt copy): "
             f"{shown}. It was not loaded; resume from another checkpoint.")

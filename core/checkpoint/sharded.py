@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from core.checkpoint import files, space
+from core.checkpoint import files, integrity, space
 
 STATE = files.STATE
 
@@ -70,7 +70,13 @@ def is_sharded(path) -> bool:
     return (Path(path) / ".metadata").is_file()
 
 
-def save(path, state: dict, rank: int, barrier, stop_together=lambda problem: None) -> None:
+def _alone(problem: str | None) -> None:
+    """stop_together of one process: a problem stops it."""
+    if problem is not None:
+        raise files.NoSpace(problem)
+
+
+def save(path, state: dict, rank: int, barrier, stop_together=_alone) -> None:
     """Write `state` (every rank passes its own view: DTensors for its shards, full tensors where replicated)
     as a sharded checkpoint directory, atomically: a temporary directory renamed into place. A rank that finds
     no space: `stop_together(its line)` (every rank calls it) stops them all, the temporary directory removed."""
@@ -88,8 +94,10 @@ def save(path, state: dict, rank: int, barrier, stop_together=lambda problem: No
             # plain scripts would keep (BatchNorm statistics that differ per rank: DCP's default picks any rank)
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=alone,
                      planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
-        if rank == 0:
+        if rank == 0:  # DCP's save returns once every rank's files are written
             files.save_checkpoint(rest, tmp / STATE)
+            (tmp / files.CREATED).unlink(missing_ok=True)  # clear_directory's, not part of the checkpoint
+            integrity.write_manifest(tmp)
     except BaseException as error:  # (DCP's CheckpointException is one) no space: said together; the rest: as is
         if not space.lack_of_space(error):
             raise

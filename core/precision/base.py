@@ -121,13 +121,13 @@ class Precision:
         return tuple(g / scale if g is not None else None for g in grads)
 
     def unscale_gradients(self, optimizer) -> None:
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+        if self.scaler is not None and _has_gradients(optimizer):  # (without: nothing to unscale, and no step through
+            self.scaler.unscale_(optimizer)                         # the scaler follows to reset it: optimizer_step)
 
     def optimizer_step(self, optimizer, **kwargs):
         if self.scaler is None:
             return optimizer.step(**kwargs)
-        if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+        if "closure" not in kwargs and not _has_gradients(optimizer):
             # nothing to unscale (its layers frozen, or not in this loss): GradScaler.step would assert ("No inf
             # checks were recorded"); the optimizer's own step, which skips parameters without gradients
             return optimizer.step(**kwargs)
@@ -158,3 +158,7 @@ class Precision:
             raise CoreValueError(f"precision={self.name!r} has no DeepSpeed config: its class does not define "
                                  f"deepspeed_config(), so the engine would run in float32 on {self.dtype} inputs.")
         return {}
+
+
+def _has_gradients(optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])

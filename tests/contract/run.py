@@ -33,7 +33,11 @@ def check(program: dict, strategy: str, precision: str, seed: int, timeout: floa
         import torch.distributed as dist
         verdicts = [None] * dist.get_world_size()
         dist.all_gather_object(verdicts, verdict)  # also: rank 0's folder is removed only when every rank is done
-        return next((v for v in verdicts if v[0] == "failed"), verdicts[0])
+        failed = next((v for v in verdicts if v[0] == "failed"), None)
+        if failed is None and len({v[0] for v in verdicts}) > 1:  # one rank ran what another's core refused
+            failed = ("failed", "the ranks disagree: " + "; ".join(f"rank {r}: {v[0]} {v[1]}".strip()
+                                                                    for r, v in enumerate(verdicts)))
+        return failed or verdicts[0]
 
 
 def check_in(program: dict, strategy: str, precision: str, seed: int, tmp: Path, timeout: float) -> tuple[str, str]:
@@ -90,8 +94,10 @@ def float16_engine_offered(strategy: str, precision: str):
         accelerator.is_fp16_supported = asked
 
 
-def shrink(program: dict, strategy: str, precision: str, seed: int, timeout: float) -> tuple[dict, str, int]:
-    """The smallest program `simpler` reaches that still fails, its detail, and how many programs it ran."""
+def shrink(program: dict, strategy: str, precision: str, seed: int, timeout: float,
+           first: str) -> tuple[dict, str, int]:
+    """The smallest program `simpler` reaches that still fails the way it did (`first`: its detail), that detail,
+    and how many programs it ran."""
     detail, tries, found = None, 0, True
     while found and tries < SHRINK_TRIES:
         found = False
@@ -101,7 +107,7 @@ def shrink(program: dict, strategy: str, precision: str, seed: int, timeout: flo
             candidate["expect"] = expected_refusal(candidate, strategy, precision)
             tries += 1
             verdict, why = check(candidate, strategy, precision, seed, timeout)
-            if verdict == "failed":
+            if verdict == "failed" and (detail or first).split(":")[0] == why.split(":")[0]:  # the same kind of failure
                 program, detail, found = candidate, why, True
                 break
             if tries >= SHRINK_TRIES:
@@ -139,7 +145,8 @@ def run_cells(cells: list[str], seed: int, count: int, index: int | None = None,
                     continue
                 small, tries = drawn, 0
                 if shrink_failures:
-                    small, smaller_detail, tries = shrink(drawn, strategy, precision, seed * 1000 + i, timeout)
+                    small, smaller_detail, tries = shrink(drawn, strategy, precision, seed * 1000 + i, timeout,
+                                                          detail)
                     detail = smaller_detail or detail
                 if rank == 0:
                     print(f"\nFAILED {cell} program {i} (shrunk in {tries} runs): {detail}\n"
