@@ -344,7 +344,8 @@ class TestPrecision:
 
     def test_16_mixed_steps_an_optimizer_whose_layers_are_all_frozen(self):
         """GradScaler.step asserts on an optimizer without gradients ("No inf checks were recorded"); core steps
-        it directly, a no-op, as in 32-true (found by the contract: a frozen first layer with an optimizer of its own)."""
+        it directly, a no-op, as in 32-true (found by the contract: a frozen first layer with an optimizer of its
+        own)."""
         fabric = Fabric(accelerator="cpu", precision="16-mixed")
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         model[0].requires_grad_(False)
