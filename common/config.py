@@ -101,7 +101,11 @@ def cli(main, *config_classes, prog: str, description: str = ""):
         if getattr(error, "every_rank", False) and int(os.environ.get("RANK", "0")) != 0:
             sys.exit(2)  # every rank raised it together (an agreed verdict): rank 0 says it, once
         error_exit(prog, str(error))
-    except OSError as error:
+    except (FloatingPointError, TimeoutError) as error:  # diverged, or waited too long: no traceback needed
+        failing()
+        sys.stderr.write(f"{prog}: stopped: {error}\n")
+        sys.exit(1)
+    except OSError as error:  # (after TimeoutError, one of them)
         if error.errno not in (errno.ENOSPC, errno.EDQUOT) or os.environ.get("SUITE_TRACEBACK", "0") not in ("", "0"):
             raise
         failing()  # a log, a sample or a plot that found the disk full (a checkpoint says so itself, above)
@@ -109,10 +113,6 @@ def cli(main, *config_classes, prog: str, description: str = ""):
         free = shutil.disk_usage(where if os.path.isdir(where) else os.path.dirname(where) or ".").free / 2**20
         error_exit(prog, f"no space left on the disk writing {where} ({free:.1f} MB free): free space there, or "
                          f"move the run directory, then resume from its last checkpoint")
-    except (FloatingPointError, TimeoutError) as error:  # diverged, or waited too long: no traceback needed
-        failing()
-        sys.stderr.write(f"{prog}: stopped: {error}\n")
-        sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop, which turns it into a checkpointed stop
         failing()
         sys.stderr.write(f"{prog}: interrupted outside the training loop; nothing after the last checkpoint "

@@ -7,6 +7,7 @@
     loader = fabric.setup_dataloaders(loader)
     fabric.backward(loss)
 """
+import sys
 import weakref
 from contextlib import ExitStack, contextmanager
 
@@ -403,9 +404,11 @@ class Fabric:
         objects, an argparse.Namespace say, whose loading runs code from the file)."""
         held = None if state is None else (lambda: self._collect(state))
         checkpoint.recover(path)  # a save of this path killed in its renames or its cleanup
-        self._strategy.verify_checkpoint(path)  # its bytes as they were saved, or refused
+        note = self._strategy.verify_checkpoint(path)  # its bytes as they were saved, or refused
         with checkpoint.trusted(weights_only is False):
             saved = self._strategy.load_checkpoint(path, held)
+        if note and self.is_global_zero:  # (after the load: a file that fails to load says only that)
+            print(f"[core] {note}: loaded without checking its bytes.", file=sys.stderr, flush=True)
         if state is None:
             return saved
         return restore(saved, state, self._strategy, self._precision, self._module_of, path, strict)

@@ -175,6 +175,7 @@ model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.
 state = {"model": model, "optimizer": optimizer}
 result = {"placeholder": model.module.weight.numel() == 0}  # ZeRO-3 keeps the values in ds_tensor
 fabric.save(out / "ckpt", state)
+(out / "ckpt" / "manifest.json").unlink()  # its checksums would refuse the files below first: the reads beneath
 # a file of another rank is not this rank's to read; a file that is read is read with weights_only
 (out / "ckpt" / "model" / "zero_pp_rank_1_mp_rank_00_model_states.pt").write_bytes(pickle.dumps(Exploit()))
 fabric.load(out / "ckpt", state)

@@ -402,11 +402,13 @@ def test_a_missing_shard_file_is_named_and_the_traceback_switch_shows_the_cause(
     run([*common, "--max-steps", "2", "--out", str(out)], timeout=300)
     shard = sorted((out / "checkpoints" / "last.ckpt").glob("*.distcp"))[-1]
     shard.unlink()
-    result = run([*common, "--resume", str(out), "--max-steps", "3"], check=False, timeout=300)
+    # named itself: from the run directory, the resume would go on from the kept step-2 checkpoint instead
+    last = str(out / "checkpoints" / "last.ckpt")
+    result = run([*common, "--resume", last, "--max-steps", "3"], check=False, timeout=300)
     assert result.returncode != 0
     message = [line for line in result.stderr.splitlines() if line.startswith("python -m autoencoder.train")]
     assert message and shard.name in message[0] and "does not match the model" not in message[0], result.stderr
-    traced = run([*common, "--resume", str(out), "--max-steps", "3"], check=False, timeout=300,
+    traced = run([*common, "--resume", last, "--max-steps", "3"], check=False, timeout=300,
                  env={"SUITE_TRACEBACK": "1"})
     assert "Traceback" in traced.stderr and "CheckpointError" in traced.stderr and shard.name in traced.stderr
 

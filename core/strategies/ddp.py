@@ -89,13 +89,13 @@ class DDP(SingleDevice):
         forward = module._forward_module
         return forward.no_sync() if isinstance(forward, DistributedDataParallel) else nullcontext()
 
-    def verify_checkpoint(self, path) -> None:
+    def verify_checkpoint(self, path) -> str | None:
         """As one device's, with the files' checksums shared out among the ranks and every rank refusing together."""
         found, note = checkpoint.integrity.problems(path, self.global_rank, self.world_size)
         everyone = [None] * self.world_size
         with self._named_timeout("checking a checkpoint's checksums"):
             dist.all_gather_object(everyone, found)
-        self._verdict(path, sorted({problem for found in everyone for problem in found}), note)
+        return self._verdict(path, sorted({problem for found in everyone for problem in found}), note)
 
     def stop_together(self, problem: str | None) -> None:
         everyone = [None] * self.world_size

@@ -1,6 +1,5 @@
 """The base strategy: one process, one device. Every other strategy extends it and overrides what it changes
 (how a module is wrapped, how gradients are synchronised, the collectives, how state is saved)."""
-import sys
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -132,19 +131,18 @@ class SingleDevice:
             error.every_rank = True
             raise error
 
-    def verify_checkpoint(self, path) -> None:
+    def verify_checkpoint(self, path) -> str | None:
         """Refuse a checkpoint whose files do not match the checksums saved with them (core/checkpoint/integrity.py);
-        note one saved without checksums."""
+        return a note for one saved without checksums (said once it has loaded)."""
         found, note = checkpoint.integrity.problems(path)
-        self._verdict(path, found, note)
+        return self._verdict(path, found, note)
 
-    def _verdict(self, path, found: list[str], note: str | None) -> None:
+    def _verdict(self, path, found: list[str], note: str | None) -> str | None:
         if found:
             error = checkpoint.CheckpointError(checkpoint.integrity.refusal(path, found))
             error.every_rank = True  # the ranks agreed on it: a script's one line comes from rank 0
             raise error
-        if note and self.global_rank == 0:
-            print(f"[core] {note}: loaded without checking its bytes.", file=sys.stderr, flush=True)
+        return note
 
     def load_checkpoint(self, path, held=None) -> dict:
         """What `path` holds, for `restore` to load: here any format, read whole. `held()` gives what this
