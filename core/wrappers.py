@@ -311,8 +311,8 @@ _optimizer_classes: dict[type, type] = {}
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, step) -> FabricOptimizer:
-    """Return a FabricOptimizer whose `step(closure)` calls `step` (the original's own bound `step` on the fast
-    path); `optimizer` itself is untouched."""
+    """Return a FabricOptimizer whose `step(closure)` calls `step` (an OptimizerStep); `optimizer` itself is
+    untouched."""
     cls = type(optimizer)
     wrapped_cls = _optimizer_classes.get(cls)
     if wrapped_cls is None:

@@ -92,16 +92,19 @@ class DDP(SingleDevice):
     def verify_checkpoint(self, path) -> str | None:
         """As one device's, with the files' checksums shared out among the ranks and every rank refusing together."""
         found, note = checkpoint.integrity.problems(path, self.global_rank, self.world_size)
-        everyone = [None] * self.world_size
-        with self._named_timeout("checking a checkpoint's checksums"):
-            dist.all_gather_object(everyone, found)
+        everyone = self._gather(found, "checking a checkpoint's checksums")
         return self._verdict(path, sorted({problem for found in everyone for problem in found}), note)
 
     def stop_together(self, problem: str | None) -> None:
-        everyone = [None] * self.world_size
-        with self._named_timeout("agreeing on a save"):
-            dist.all_gather_object(everyone, problem)
+        everyone = self._gather(problem, "agreeing on a save")
         super().stop_together(next((found for found in everyone if found is not None), None))
+
+    def _gather(self, obj, what: str) -> list:
+        """Every rank's `obj`, in rank order (a verdict all ranks then take together); `what`: for a timeout."""
+        everyone = [None] * self.world_size
+        with self._named_timeout(what):
+            dist.all_gather_object(everyone, obj)
+        return everyone
 
     def barrier(self, timeout: float | None = None) -> None:
         """All ranks meet; `timeout` (seconds) bounds the wait where it is not the process group's."""
