@@ -1,6 +1,7 @@
 """Saving and loading an FSDP model on 2 processes: sharded (what core writes: every rank writes its own
-shards through torch.distributed.checkpoint) against gathered (the full state dicts collected on rank 0's
-CPU and written by it, as core did before, and as a one-file checkpoint needs).
+shards through torch.distributed.checkpoint), the same save in the background (`background=True`: the call
+returns once the state is copied; then the wait for the write), against gathered (the full state dicts
+collected on rank 0's CPU and written by it, as core did before, and as a one-file checkpoint needs).
 
     python -m benchmarks.checkpoint --params 100e6      # prints one JSON object; benchmarks.run tabulates it
 
@@ -121,7 +122,7 @@ def main():
     shard_mb = sum(p.to_local().numel() * 4 for p in model.parameters()) * 3 / 2**20
     root = Path(fabric.broadcast(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-")))
     rows = {"sharded": {"save": [], "load": [], "verify": [], "manifest": []},
-            "gathered": {"save": [], "load": []}}
+            "gathered": {"save": [], "load": []}, "background": {"save": [], "wait": []}}
     for _ in range(args.repeats):
         for kind, save, load in (("sharded", fabric.save, fabric.load), ("gathered", lambda p, s: gathered_save(
                 fabric, p, s), lambda p, s: gathered_load(fabric, p, s))):
@@ -133,6 +134,10 @@ def main():
         rows["sharded"]["verify"].append(timed(fabric, fabric.strategy.verify_checkpoint, root / "sharded.ckpt"))
         rows["sharded"]["manifest"].append(timed(fabric, lambda: fabric.is_global_zero and integrity.write_manifest(
             root / "sharded.ckpt")))
+        # the sharded save in the background: what a training step waits for (the staging copy), and the rest
+        rows["background"]["save"].append(timed(fabric, lambda: fabric.save(root / "background.ckpt", state,
+                                                                             background=True)))
+        rows["background"]["wait"].append(timed(fabric, fabric.wait_for_save))
     if fabric.is_global_zero:
         result = {"parameters": count, "rank0_shard_mb": round(shard_mb, 1)}
         for kind, phases in rows.items():

@@ -23,7 +23,7 @@ from common.rundir import LAST, holds_run, kept_checkpoints
 RESUMABLE_CHANGES = {"out", "resume", "max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "num_workers",
                      "data_root", "download", "devices", "num_nodes", "strategy", "accelerator", "compile",
                      "eval_every", "logger", "sample_every", "eval_samples", "eval_tasks", "eval_queries",
-                     "collective_timeout"}
+                     "collective_timeout", "save_in_background"}
 # Fields a resume does not take from the run's config.json: its own destination and source.
 NOT_RESTORED = {"out", "resume"}
 

@@ -80,11 +80,16 @@ class RunDir:
     def checkpoint(self) -> Path:
         return self.path / "checkpoints" / LAST
 
-    def keep_checkpoint(self, step: int) -> None:
+    def keep_checkpoint(self, step: int, after=None) -> None:
         """After a save of `checkpoint` at `step` (rank 0): keep it as checkpoints/step-STEP.ckpt too, and remove
         the oldest kept ones beyond --keep-checkpoints, so that a damaged newest checkpoint is not the run's only
-        one. Hard links: no second copy of the bytes (a later save writes last.ckpt anew, leaving these whole)."""
+        one. Hard links: no second copy of the bytes (a later save writes last.ckpt anew, leaving these whole).
+        `after`: the Future of a background save: kept once it is written (in its thread, before the next save's
+        write starts), not at all if it failed (the next save or the end of the run raises that)."""
         if not self.write or self.keep <= 1:
+            return
+        if after is not None:
+            after.add_done_callback(lambda saved: self.keep_checkpoint(step) if saved.exception() is None else None)
             return
         kept = self.checkpoint.with_name(f"step-{step:08d}.ckpt")
         staging = kept.with_name(f".{kept.name}.tmp")

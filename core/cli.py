@@ -29,6 +29,9 @@ class FabricFlags:
     collective_timeout: float = field(default=1800, metadata={
         "help": "seconds a process waits in a collective for the others (for rank 0's evaluation, say) before it "
                 "stops with an error naming this flag"})
+    save_in_background: bool = field(default=False, metadata={
+        "help": "write the periodic checkpoints in a background thread: training goes on once the state is copied "
+                "(as much memory again as the model and optimizer state); the final save waits. Not with deepspeed"})
 
     def check(self):
         parent = getattr(super(), "check", None)  # the workload's Config, merged after this class
@@ -60,6 +63,9 @@ class FabricFlags:
                 needed = "; ".join(NEEDS[need] for need in sorted(self.needs()))
                 raise CoreValueError(
                     f"--strategy {self.strategy} cannot run this workload, which needs {needed}: {reason}")
+        if self.save_in_background and self.strategy.startswith("deepspeed"):
+            raise CoreValueError(f"--save-in-background: --strategy {self.strategy} writes its engines' own files "
+                                 f"with their own collectives, which cannot run beside training; drop the flag")
         if self.collective_timeout <= 0:
             raise CoreValueError(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout:g}")
         if self.precision in ("16-mixed", "16") and device_kind(self.accelerator) == "cpu" and \

@@ -9,6 +9,7 @@
 """
 import sys
 import weakref
+from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from core import checkpoint, launcher, validation
+from core.checkpoint.background import BackgroundSaves, stage
 from core.errors import CoreRuntimeError, CoreTypeError, CoreValueError
 from core.nested import map_nested
 from core.precision import make_precision
@@ -79,6 +81,7 @@ class Fabric:
         self._module_of = {}  # id(wrapped optimizer) -> its FabricModule, for checkpoints and loss scaling
         self._optimizers_of = {}  # id(FabricModule) -> its wrapped optimizers
         self._modules = []  # FabricModules, in setup order
+        self._saves = BackgroundSaves()  # fabric.save(..., background=True)
         # backward is loss.backward() when neither a loss scaler nor an engine is involved; where one is, a set-up
         # optimizer refuses to step on gradients that no fabric.backward made
         self._backward = BackwardState(required=self._strategy.backward_needs_module,
@@ -388,10 +391,21 @@ class Fabric:
         return self._strategy
 
     # --- checkpoints -------------------------------------------------------------------------------
-    def save(self, path, state: dict) -> None:
+    def save(self, path, state: dict, background: bool = False) -> Future | None:
         """Save set-up modules, optimizers and plain values (numbers, strings, tensors, containers) in
-        one checkpoint, atomically. Every process must call it."""
-        self._strategy.save_checkpoint(path, self._collect(state))
+        one checkpoint, atomically. Every process must call it. `background=True`: return once the state is
+        copied, with a Future of the write, which goes on in a thread (core/checkpoint/background.py); the next
+        save or load, or `wait_for_save()`, waits for it first and raises what it raised."""
+        self._saves.wait()
+        if not background:
+            self._strategy.save_checkpoint(path, self._collect(state))
+            return None
+        group = self._strategy.background_group()  # (DeepSpeed refuses here)
+        return self._saves.start(path, self._strategy.save_checkpoint, stage(self._collect(state)), group)
+
+    def wait_for_save(self) -> None:
+        """Wait for the background save running, if any, and raise what it raised (every rank together)."""
+        self._saves.wait()
 
     def _collect(self, state: dict) -> dict:
         return collect(state, self._strategy, self._precision, self._module_of)
@@ -402,6 +416,7 @@ class Fabric:
         (core's or Lightning's) and any dict of state dicts saved with torch.save. Files are read with
         weights_only=True unless `weights_only=False` says the file is trusted (it may hold other pickled
         objects, an argparse.Namespace say, whose loading runs code from the file)."""
+        self._saves.wait()  # a background save of this path must be whole before it is read
         held = None if state is None else (lambda: self._collect(state))
         checkpoint.recover(path)  # a save of this path killed in its renames or its cleanup
         note = self._strategy.verify_checkpoint(path)  # its bytes as they were saved, or refused

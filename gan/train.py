@@ -111,9 +111,9 @@ def main(config: Config) -> dict:
             if fid < state["best_fid"]:  # rank 0's score: every rank takes the same decision
                 state.update(best_fid=fid, best_step=state["step"])
                 fabric.save(run.best_checkpoint, state)
-        if loop.checkpoint_due():
-            fabric.save(run.checkpoint, state)
-            run.keep_checkpoint(state["step"])
+        if loop.checkpoint_due():  # in the background: once written, the Future keeps it
+            saving = fabric.save(run.checkpoint, state, background=config.save_in_background)
+            run.keep_checkpoint(state["step"], after=saving)
     loop.close()
     fabric.save(run.checkpoint, state)
     run.keep_checkpoint(state["step"])

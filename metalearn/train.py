@@ -72,9 +72,9 @@ def main(config: Config) -> dict:
 
         if loop.end_step(step, loss, lambda: {"loss": loss.item()}):
             break
-        if loop.checkpoint_due():
-            fabric.save(run.checkpoint, state)
-            run.keep_checkpoint(state["step"])
+        if loop.checkpoint_due():  # in the background: once written, the Future keeps it
+            saving = fabric.save(run.checkpoint, state, background=config.save_in_background)
+            run.keep_checkpoint(state["step"], after=saving)
     loop.close()
     fabric.save(run.checkpoint, state)
     run.keep_checkpoint(state["step"])

@@ -383,12 +383,13 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+@pytest.mark.parametrize("strategy", ["single", "fsdp", "fsdp in the background"])
 def test_a_full_disk_at_a_save_stops_every_rank_with_one_line_and_loses_nothing(small_disk, tmp_path, strategy):
     """The second save finds the disk full (on every rank under fsdp, whose shards share it): exit 2, one line with
     the path, the space free and the size needed; the previous checkpoint whole, nothing partial left; moved to a
-    disk with room, the run resumes from it."""
-    devices = ["--strategy", "fsdp", "--devices", "2"] if strategy == "fsdp" else []
+    disk with room, the run resumes from it. In the background, the save after it (the last) says so."""
+    devices = ["--strategy", "fsdp", "--devices", "2"] if strategy.startswith("fsdp") else []
+    devices += ["--save-in-background"] if strategy.endswith("background") else []
     result = run(["-m", "autoencoder.train", *devices, "--max-steps", "4", "--checkpoint-every", "2", "--out",
                   str(small_disk / "run")], check=False, timeout=300)
     errors = [line[line.index("python -m"):] for line in result.stderr.replace("\r", "\n").splitlines()

@@ -52,6 +52,8 @@ ONE_SIDED = {  # (what core replaces, a line only that variant writes for it)
          r"^frozen_discriminator = discriminator\.module if world_size > 1 else discriminator$|"
          r"^frozen_discriminator\.requires_grad_\((False|True)\)$"),
         ("a broadcast", r"^fid = \[evaluate\(.*\)\]$|^dist\.broadcast_object_list\(fid\)$"),
+        ("the periodic save, which train.py may leave to the background", r'^save_plain\(run\.checkpoint, state\)$|'
+                                                                          r'^run\.keep_checkpoint\(state\["step"\]\)$'),
     ],
     "+": [
         ("the docstring's commands", r'^"""|^python -m \w+\.train\b'),
@@ -66,6 +68,9 @@ ONE_SIDED = {  # (what core replaces, a line only that variant writes for it)
         ("no_backward_sync", r"^with fabric\.no_backward_sync\("),
         ("frozen", r"^with fabric\.frozen\(\w+\):$"),
         ("a broadcast", r"^fid = fabric\.broadcast\("),
+        ("the periodic save in the background where asked (--save-in-background), kept once written",
+         r"^saving = fabric\.save\(run\.checkpoint, state, background=config\.save_in_background\)$|"
+         r'^run\.keep_checkpoint\(state\["step"\], after=saving\)$'),
     ],
 }
 

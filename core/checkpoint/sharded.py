@@ -76,10 +76,11 @@ def _alone(problem: str | None) -> None:
         raise files.NoSpace(problem)
 
 
-def save(path, state: dict, rank: int, barrier, stop_together=_alone) -> None:
+def save(path, state: dict, rank: int, barrier, stop_together=_alone, group=None) -> None:
     """Write `state` (every rank passes its own view: DTensors for its shards, full tensors where replicated)
     as a sharded checkpoint directory, atomically: a temporary directory renamed into place. A rank that finds
-    no space: `stop_together(its line)` (every rank calls it) stops them all, the temporary directory removed."""
+    no space: `stop_together(its line)` (every rank calls it) stops them all, the temporary directory removed.
+    `group`: the process group of DCP's collectives (a background save's), None for the default one."""
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
@@ -93,7 +94,7 @@ def save(path, state: dict, rank: int, barrier, stop_together=_alone) -> None:
             # a tensor every rank holds whole is written once; by rank 0, whose copy a one-process save or the
             # plain scripts would keep (BatchNorm statistics that differ per rank: DCP's default picks any rank)
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=alone,
-                     planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+                     planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True), process_group=group)
         if rank == 0:  # DCP's save returns once every rank's files are written
             files.save_checkpoint(rest, tmp / STATE)
             (tmp / files.CREATED).unlink(missing_ok=True)  # clear_directory's, not part of the checkpoint

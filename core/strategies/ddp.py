@@ -44,6 +44,7 @@ class DDP(SingleDevice):
         self._check_ddp_options(options, "Fabric()")
         self.timeout = collective_timeout(timeout)
         self.timeout_asked = timeout is not None
+        self._background_group = None
 
     @staticmethod
     def _check_ddp_options(options: dict, where: str) -> None:
@@ -95,22 +96,29 @@ class DDP(SingleDevice):
         everyone = self._gather(found, "checking a checkpoint's checksums")
         return self._verdict(path, sorted({problem for found in everyone for problem in found}), note)
 
-    def stop_together(self, problem: str | None) -> None:
-        everyone = self._gather(problem, "agreeing on a save")
+    def stop_together(self, problem: str | None, group=None) -> None:
+        everyone = self._gather(problem, "agreeing on a save", group)
         super().stop_together(next((found for found in everyone if found is not None), None))
 
-    def _gather(self, obj, what: str) -> list:
+    def background_group(self):
+        """A gloo group of every rank for background saves (made at the first, which every rank calls), so that
+        their collectives never meet training's on the default group."""
+        if self._background_group is None:
+            self._background_group = dist.new_group(backend="gloo", timeout=self.timeout)
+        return self._background_group
+
+    def _gather(self, obj, what: str, group=None) -> list:
         """Every rank's `obj`, in rank order (a verdict all ranks then take together); `what`: for a timeout."""
         everyone = [None] * self.world_size
         with self._named_timeout(what):
-            dist.all_gather_object(everyone, obj)
+            dist.all_gather_object(everyone, obj, group=group)
         return everyone
 
-    def barrier(self, timeout: float | None = None) -> None:
+    def barrier(self, timeout: float | None = None, group=None) -> None:
         """All ranks meet; `timeout` (seconds) bounds the wait where it is not the process group's."""
         with self._named_timeout("barrier", timeout):
             if timeout is None:
-                dist.barrier()
+                dist.barrier(group=group)
             else:  # gloo's barrier with its own bound (on CUDA the group has gloo beside nccl for this)
                 dist.monitored_barrier(timeout=timedelta(seconds=timeout))
 

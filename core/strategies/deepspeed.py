@@ -228,7 +228,12 @@ class DeepSpeed(DDP):
     def optimizer_state(self, optimizer, wrapped_module):
         return checkpoint.InEngine(wrapped_module)  # inside its model's engine checkpoint
 
-    def save_checkpoint(self, path, state: dict) -> None:
+    def background_group(self):
+        raise CoreValueError("fabric.save(..., background=True) is not available under DeepSpeed: its engines write "
+                             "their own files with their own collectives, which cannot run beside training. Save "
+                             "without background=True.")
+
+    def save_checkpoint(self, path, state: dict, group=None) -> None:
         path = Path(path)
         tmp = checkpoint.staging(path)
         checkpoint.clear_directory(tmp, self.global_rank, self.barrier)

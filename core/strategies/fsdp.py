@@ -164,9 +164,10 @@ class FSDP(DDP):
 
     # checkpoints: sharded (core/checkpoint/sharded.py); a one-file or DeepSpeed checkpoint loads whole and is
     # sharded here
-    def save_checkpoint(self, path, state: dict) -> None:
+    def save_checkpoint(self, path, state: dict, group=None) -> None:
         from core.checkpoint import sharded
-        sharded.save(path, state, self.global_rank, self.barrier, self.stop_together)
+        sharded.save(path, state, self.global_rank, lambda: self.barrier(group=group),
+                     lambda problem: self.stop_together(problem, group), group)
 
     def load_checkpoint(self, path, held=None) -> dict:
         """A sharded checkpoint is read straight into this rank's shards (`held()`: what `fabric.save` would

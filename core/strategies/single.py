@@ -95,7 +95,7 @@ class SingleDevice:
             torch.nn.utils.clip_grad_value_(params, clip_val)
 
     # collectives: identities on one process
-    def barrier(self, timeout: float | None = None) -> None:
+    def barrier(self, timeout: float | None = None, group=None) -> None:
         pass
 
     def all_reduce(self, tensor, op, group=None):
@@ -114,16 +114,22 @@ class SingleDevice:
         return obj
 
     # checkpoints: the logical checkpoint (full state dicts keyed by name) in one file, written by rank 0
-    def save_checkpoint(self, path, state: dict) -> None:
+    def save_checkpoint(self, path, state: dict, group=None) -> None:
+        """Write `state` (collected by core/state.py) to `path`; `group`: the process group a background save's
+        collectives use (background_group), None for the default one."""
         problem = None
         if self.global_rank == 0:
             try:
                 checkpoint.save_file(state, path)
             except checkpoint.NoSpace as error:
                 problem = str(error)
-        self.stop_together(problem)
+        self.stop_together(problem, group)
 
-    def stop_together(self, problem: str | None) -> None:
+    def background_group(self):
+        """The process group of background saves, which run beside training's collectives (one process: none)."""
+        return None
+
+    def stop_together(self, problem: str | None, group=None) -> None:
         """After a save: every rank raises the NoSpace error of `problem` if any rank had one (one line, said by
         rank 0), and meets the others either way."""
         if problem is not None:
