@@ -41,7 +41,7 @@ def test_generated_programs_under_ddp_fsdp_and_deepspeed_match_plain_pytorch():
 
 
 # Bugs put into a copy of core, one at a time: (file, [(the code as it is, the code with the bug)], a cell that
-# sees it)
+# sees it[, the options of its run])
 BUGS = {
     "a TypeError on a core line": ("core/fabric.py", [(
         "stack.enter_context(self._strategy.no_backward_sync(m))",
@@ -59,6 +59,9 @@ BUGS = {
     "a loss without model= goes to the first model": ("core/validation.py", [(
         "    if len(modules) == 1:\n        return modules[0]",
         "    if len(modules) >= 1:\n        return modules[0]")], "deepspeed_stage_2:32-true"),
+    "a sharded checkpoint read whole keeps DCP's flattened names": ("core/checkpoint/sharded.py", [(
+        "*parents, leaf = metadata.planner_data.get(key, (key,)) if metadata.planner_data else (key,)",
+        "*parents, leaf = (key,)")], "fsdp:32-true", ["--seed", "5", "--count", "2", "--move-share", "1"]),  # moved to single, ddp
 }
 
 
@@ -83,11 +86,11 @@ def contract_in(root, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("bug", BUGS)
 def test_the_generator_reports_a_bug_put_into_core_as_failed(tmp_path, bug):
-    path, edits, cell = BUGS[bug]
+    path, edits, cell, *options = BUGS[bug]
     core_with_a_bug(tmp_path, path, edits)
     distributed = not cell.startswith("single:")
-    result = contract_in(tmp_path, "--cells", cell, *(["--devices", "2", "--count", "10"] if distributed else
-                                                      ["--count", "20"]))
+    options = options[0] if options else ["--count", "10" if distributed else "20"]
+    result = contract_in(tmp_path, "--cells", cell, *options, *(["--devices", "2"] if distributed else []))
     counts = json.loads(result.stdout[result.stdout.index("{\n"):])
     assert counts["failed"] >= 1 and result.returncode == 1, (bug, counts, result.stderr[-2000:])
     assert f"replay: python -m tests.contract --cells {cell}" in result.stdout
@@ -101,7 +104,8 @@ def test_a_program_that_hangs_a_rank_fails_within_its_bound_with_its_replay(tmp_
                                                   "        op = validation.reduce_op(reduce_op)\n"
                                                   "        if self.global_rank == 1:\n"
                                                   "            __import__('time').sleep(3600)\n")])
-    result = contract_in(tmp_path, "--cells", "ddp:32-true", "--devices", "2", "--count", "20", "--timeout", "5")
+    result = contract_in(tmp_path, "--cells", "ddp:32-true", "--devices", "2", "--count", "20", "--timeout", "5",
+                         "--move-share", "0")
     assert result.returncode != 0
     assert "HANG ddp:32-true program" in result.stderr and "rank 0 waited more than 5 s" in result.stderr, \
         result.stderr[-3000:]
@@ -118,3 +122,35 @@ def test_the_comparison_sees_a_broken_core(monkeypatch, break_core):
     result = run_cells(["single:32-true"], seed=0, count=20, out=report)
     assert result["failed"] >= 1, result  # a BatchSampler's DistributedSampler over 2 epochs sees set_epoch
     assert "replay: python -m tests.contract --cells single:32-true --seed 0 --index" in report.getvalue()
+
+
+def one_model(moved: str, **spec) -> dict:
+    """A program of one model (SGD) and one step, whose final checkpoint a fresh process loads under `moved`."""
+    model = {"width": 4, "split": False, "optimizers": [{"kind": "sgd", "params": "all", "scheduler": None}],
+             "norm": False, "frozen": False, "marked": False, **spec}
+    step = {"kind": "each", "clip": None, "lr_scale": None, "set_to_none": True, "overflow": False, "checkpoint": False,
+            "reload_optimizer": False, "fresh": False, "no_model": False, "eval": False, "reduce": False, "copy": None}
+    return {"models": [model], "loader": "shuffle", "epochs": 1, "steps": [step], "expect": None, "moved": moved}
+
+
+# What loads in a fresh process found in core, each fixed: (the cell that saves, the program as shrunk)
+FOUND = {
+    # ZeRO-1 keeps the weights its user froze only in the module's state, which the conversion did not read; and
+    # DeepSpeed's optimizer groups leave them out, which a torch optimizer over the whole model refused
+    "a DeepSpeed checkpoint with a frozen layer, resumed on one device": (
+        "deepspeed_stage_1:32-true", one_model("single:32-true", frozen=True)),
+    # SGD without momentum: the conversion gave each weight an empty entry, which torch's fsdp loader cannot place
+    "a DeepSpeed checkpoint of SGD without momentum, resumed under fsdp": (
+        "deepspeed_stage_3:bf16-mixed", one_model("fsdp:bf16-mixed")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("found", FOUND)
+def test_a_load_in_a_fresh_process_that_failed_runs(found):
+    cell, program = FOUND[found]
+    result = run(["-m", "tests.contract", "--cells", cell, "--devices", "2", "--index", "0", "--no-shrink",
+                  "--program", json.dumps(program)], timeout=600, check=False)
+    counts = json.loads(result.stdout[result.stdout.index("{\n"):])
+    assert result.returncode == 0 and counts["moved to"] == {program["moved"]: 1}, result.stdout[-3000:]

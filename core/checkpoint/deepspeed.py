@@ -182,6 +182,8 @@ def _merge_partitions(folder: Path, z) -> tuple[dict, dict]:
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
         weights = merge([o[flat_key] for o in optims])
+    # ZeRO-1 keeps the weights its user froze only in the module's state (ZeRO-2 and -3 in fields merged above)
+    weights.update({name: value.clone() for name, value in models[0]["module"].items() if name not in weights})
     base = [o["base_optimizer_state"] if stage <= 2 else o["optimizer_state_dict"] for o in optims]  # the torch optimizer's
     names = [list(shapes) for shapes in states[0].param_shapes]  # the parameters of each flat group, in order
     hyper = base[0]["param_groups"]
@@ -211,7 +213,10 @@ def _merge_partitions(folder: Path, z) -> tuple[dict, dict]:
                     per_param[name][k] = group_state[k].clone() if torch.is_tensor(group_state[k]) else group_state[k]
     param_groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": group}
                     for saved, group in zip(hyper, names)]
-    return weights, {"state": per_param, "param_groups": param_groups}
+    # a torch optimizer keeps no entry for a weight without state (SGD without momentum), and torch's fsdp loader
+    # cannot place entries that hold no tensor
+    return weights, {"state": {name: entries for name, entries in per_param.items() if entries},
+                     "param_groups": param_groups}
 
 
 def safe_loader(**defaults):

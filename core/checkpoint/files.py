@@ -242,9 +242,11 @@ def named_optimizer_state(state: dict, groups: list[list[str]]) -> dict:
                              for group in state["param_groups"]]}
 
 
-def indexed_optimizer_state(state: dict, groups: list[list[str]]) -> dict:
+def indexed_optimizer_state(state: dict, groups: list[list[str]], frozen=frozenset()) -> dict:
     """The inverse, as torch.optim's load_state_dict takes it: each name becomes the position of that
-    parameter in this optimizer (torch pairs saved and current parameters by position within a group)."""
+    parameter in this optimizer (torch pairs saved and current parameters by position within a group).
+    `frozen`: names of weights that do not train here, which a saved group may lack (DeepSpeed's optimizer leaves
+    the weights its user froze out; they have no state)."""
     if not all(isinstance(i, str) for group in state["param_groups"] for i in group["params"]):
         return state
     if len(state["param_groups"]) != len(groups):
@@ -253,7 +255,7 @@ def indexed_optimizer_state(state: dict, groups: list[list[str]]) -> dict:
     index = {name: i for i, name in enumerate(name for group in groups for name in group)}
     out_groups = []
     for number, (saved, names) in enumerate(zip(state["param_groups"], groups)):
-        if set(saved["params"]) != set(names):
+        if set(saved["params"]) - set(frozen) != set(names) - set(frozen) or not set(saved["params"]) <= set(names):
             differ = sorted(set(saved["params"]) ^ set(names))
             raise CheckpointError(f"The checkpoint's optimizer group {number} does not hold the parameters of this "
                                   f"one (differing: {', '.join(differ[:5])}). Was it saved with another model?")

@@ -172,8 +172,10 @@ class SingleDevice:
         return checkpoint.named_optimizer_state(optimizer.state_dict(), self.parameter_names(optimizer, wrapped_module))
 
     def load_optimizer_state(self, optimizer, wrapped_module, state: dict) -> None:
+        frozen = {name for name, p in wrapped_module.module.named_parameters() if not p.requires_grad}
         optimizer.load_state_dict(checkpoint.indexed_optimizer_state(state, self.parameter_names(optimizer,
-                                                                                                 wrapped_module)))
+                                                                                                 wrapped_module),
+                                                                     frozen))
 
     def teardown(self) -> None:
         pass

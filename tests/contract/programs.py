@@ -26,11 +26,15 @@ REFUSALS = {
                                                                    "gathered until the model's optimizer steps"),
 }
 GRAD_KINDS = ("penalty", "penalty2", "probe")  # the iterations that call fabric.grad
+# The share of programs whose last state is saved and loaded in a fresh process (python -m tests.contract.moved),
+# under a cell drawn from those of the same precision: the same one, another strategy, another process count
+MOVE_SHARE = 0.05
 
 
-def draw(rng: random.Random, strategy: str, precision: str) -> dict:
-    """One program, as plain data (JSON), from `rng`: what a user porting a script might do with core, and the
-    refusal core must give it (`expect`, a key of REFUSALS), or None."""
+def draw(rng: random.Random, strategy: str, precision: str, move_share: float = MOVE_SHARE) -> dict:
+    """One program, as plain data (JSON), from `rng`: what a user porting a script might do with core, the
+    refusal core must give it (`expect`, a key of REFUSALS) or None, and the cell whose fresh process loads its
+    final checkpoint (`moved`) or None."""
     deepspeed, single = strategy.startswith("deepspeed"), strategy == "single"
     # DeepSpeed's bf16 and fp16 engines convert the parameters but not the buffers, and the CPU's batch_norm takes
     # no such mix: plain DeepSpeed fails there the same way, so no BatchNorm is drawn for those cells
@@ -67,12 +71,35 @@ def draw(rng: random.Random, strategy: str, precision: str) -> dict:
     program = {"models": models, "loader": rng.choice(["shuffle", "batch_sampler", "subclass"]),
                "epochs": rng.choice([1, 2]), "steps": steps}
     program["expect"] = expected_refusal(program, strategy, precision)
+    move, targets = rng.random() < move_share, move_targets(program, strategy, precision)
+    program["moved"] = rng.choice(targets) if move and targets and not program["expect"] else None
     return program
 
 
-def fits(program: dict, strategy: str) -> bool:
-    """Whether `program` is one `draw` could give for `strategy` (a shrunk program must stay one)."""
+def move_targets(program: dict, strategy: str, precision: str) -> list[str]:
+    """The cells a fresh process can load `program`'s final checkpoint under: those of `precision` whose strategy
+    takes its models and optimizers (fsdp's 16-mixed refuses every program). In bf16-true a DeepSpeed engine keeps
+    float32 weights under the bfloat16 ones and the others keep none, so a checkpoint moves within either family;
+    in the mixed precisions an engine keeps the layers its user froze in 16 bits only, so such a program moves to
+    DeepSpeed only from DeepSpeed."""
+    frozen = any(spec["frozen"] for spec in program["models"])
+
+    def family_allows(cell: str) -> bool:
+        into, out_of = cell.startswith("deepspeed"), strategy.startswith("deepspeed")
+        if precision == "bf16-true":
+            return into == out_of
+        return not (frozen and precision != "32-true" and into and not out_of)
+
+    return [cell for cell in ONE_PROCESS + TWO_PROCESSES if cell.endswith(f":{precision}") and family_allows(cell)
+            and cell != "fsdp:16-mixed" and fits({**program, "steps": [], "moved": None}, cell.split(":")[0])]
+
+
+def fits(program: dict, strategy: str, precision: str | None = None) -> bool:
+    """Whether `program` is one `draw` could give for `strategy` (and `precision`, where given: a shrunk program
+    must stay one)."""
     deepspeed, models = strategy.startswith("deepspeed"), program["models"]
+    if precision and program.get("moved") and program["moved"] not in move_targets(program, strategy, precision):
+        return False
     own = [[o for o in spec["optimizers"] if o["params"] != "shared"] for spec in models]
     if deepspeed and any(len(opts) != 1 or opts[0]["params"] != "all" or spec["split"] or spec["marked"]
                          for spec, opts in zip(models, own)):
@@ -307,6 +334,10 @@ def script(program: dict, strategy: str = "STRATEGY", precision: str = "PRECISIO
         extras = [f"{name}={step[name]}" if step[name] is not True else name for name in flags if step[name]]
         extras += [] if step["set_to_none"] else ["zero_grad(set_to_none=False)"]
         lines.append(f"  {step['kind']}" + (f" with {', '.join(extras)}" if extras else ""))
+    if program.get("moved"):
+        lines.append(f"then fabric.save of every object, and fabric.load into new ones (other initial weights) in a "
+                     f"fresh process under {program['moved']}: the weights, learning rates and optimizer moments "
+                     f"must come back bitwise")
     if program.get("expect"):
         lines.append(f"core must refuse it: {program['expect']} ({REFUSALS[program['expect']][1]})")
     return "\n".join(lines)

@@ -4,7 +4,9 @@ import argparse
 import json
 import logging
 import random
+import os
 import re
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -14,13 +16,16 @@ from pathlib import Path
 
 import torch
 
-from tests.contract.compare import differences
+from tests.contract.compare import differences, moments
 from tests.contract.plain import run_plain
-from tests.contract.programs import ONE_PROCESS, REFUSALS, TWO_PROCESSES, draw, expected_refusal, fits, script
+from tests.contract.programs import (MOVE_SHARE, ONE_PROCESS, REFUSALS, TWO_PROCESSES, draw, expected_refusal, fits,
+                                     script)
 from tests.contract.shrink import simpler
 from tests.contract.through_core import run_core
 
 SHRINK_TRIES = 80  # programs run while shrinking a failure, at most
+# what core's launcher sets for the ranks it starts: the fresh processes of a moved program start their own
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def check(program: dict, strategy: str, precision: str, seed: int, timeout: float = 120.0) -> tuple[str, str]:
@@ -32,7 +37,13 @@ def check(program: dict, strategy: str, precision: str, seed: int, timeout: floa
             return verdict
         import torch.distributed as dist
         verdicts = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, verdict)  # also: rank 0's folder is removed only when every rank is done
+        try:  # also: rank 0's folder is removed only when every rank is done
+            dist.all_gather_object(verdicts, verdict)
+        except RuntimeError as error:  # gloo's time-out: another rank is still inside the program
+            if "Timed out" not in str(error):
+                raise
+            raise TimeoutError(f"rank {dist.get_rank()} waited more than {timeout:g} s for the other ranks to end "
+                               f"the program; its own verdict: {verdict[0]} {verdict[1]}".strip()) from error
         failed = next((v for v in verdicts if v[0] == "failed"), None)
         if failed is None and len({v[0] for v in verdicts}) > 1:  # one rank ran what another's core refused
             failed = ("failed", "the ranks disagree: " + "; ".join(f"rank {r}: {v[0]} {v[1]}".strip()
@@ -71,7 +82,49 @@ def check_in(program: dict, strategy: str, precision: str, seed: int, tmp: Path,
     except Exception:  # noqa: BLE001
         return "failed", "the plain program crashed (a harness error):\n" + traceback.format_exc(limit=-6)
     lines = differences(core, plain)
-    return ("ok", "") if not lines else ("failed", "core and plain differ:\n  " + "\n  ".join(lines[:12]))
+    if lines:
+        return "failed", "core and plain differ:\n  " + "\n  ".join(lines[:12])
+    if not program.get("moved"):
+        return "ok", ""
+    return check_moved(program, f"{strategy}:{precision}", seed, tmp / "core" / "moved.ckpt", timeout)
+
+
+def check_moved(program: dict, cell: str, seed: int, checkpoint: Path, timeout: float) -> tuple[str, str]:
+    """Rank 0 starts the fresh process(es) that load the program's final checkpoint under `program["moved"]`
+    (tests/contract/moved.py), and compares what each of their ranks holds with what rank 0 held at the save
+    (through_core.run_core wrote each rank's, held{RANK}.pt): a save keeps rank 0's buffers, except that ZeRO-3's
+    own load at the same stage and process count gives each rank back its own, as DeepSpeed's does."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return "ok", ""  # rank 0 decides; check() gathers its verdict
+    source, cell, out = cell, program["moved"], checkpoint.parent / "moved"
+    out.mkdir()
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("CORE_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "tests.contract.moved", "--cell", cell, "--program", json.dumps(program),
+               "--seed", str(seed), "--checkpoint", str(checkpoint), "--out", str(out)]
+    failed = f"the load in a fresh process under {cell} failed"
+    try:
+        # within the bound of the collective the other ranks wait in meanwhile (check()), so that rank 0 reports
+        ran = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=0.8 * timeout)
+    except subprocess.TimeoutExpired:
+        return "failed", f"{failed}: it ran past {0.8 * timeout:g} s"
+    ranks = 1 if cell.startswith("single:") else 2
+    files = [out / f"rank{r}.pt" for r in range(ranks)]
+    if ran.returncode != 0 or not all(f.exists() for f in files):
+        return "failed", f"{failed}: exit status {ran.returncode}\n{ran.stderr[-3000:]}"
+    own = cell == source and cell.startswith("deepspeed_stage_3:")
+    for r, f in enumerate(files):
+        loaded = torch.load(f, weights_only=False)
+        if "error" in loaded:
+            return "failed", f"{failed}: rank {r} raised\n{loaded['error']}"
+        saved = torch.load(checkpoint.parent / f"held{r if own else 0}.pt", weights_only=False)
+        lines = differences(saved, moments(loaded))
+        if lines:
+            return "failed", f"{failed}: rank {r} holds other values than were saved:\n  " + "\n  ".join(lines[:12])
+    return "ok", ""
 
 
 @contextmanager
@@ -102,7 +155,7 @@ def shrink(program: dict, strategy: str, precision: str, seed: int, timeout: flo
     while found and tries < SHRINK_TRIES:
         found = False
         for candidate in simpler(program):
-            if not fits(candidate, strategy):
+            if not fits(candidate, strategy, precision):
                 continue
             candidate["expect"] = expected_refusal(candidate, strategy, precision)
             tries += 1
@@ -116,7 +169,8 @@ def shrink(program: dict, strategy: str, precision: str, seed: int, timeout: flo
 
 
 def run_cells(cells: list[str], seed: int, count: int, index: int | None = None, out=sys.stdout,
-              program: dict | None = None, shrink_failures: bool = True, timeout: float = 120.0) -> dict:
+              program: dict | None = None, shrink_failures: bool = True, timeout: float = 120.0,
+              move_share: float = MOVE_SHARE) -> dict:
     """Run `count` programs in each cell ("strategy:precision"), all in this process group (or only program
     `index`, or the given `program`); return the counts, in all and per cell, and print each failure, shrunk,
     with its script and the commands that replay it."""
@@ -124,21 +178,23 @@ def run_cells(cells: list[str], seed: int, count: int, index: int | None = None,
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     totals = {"ok": 0, "refused": 0, "failed": 0}
-    per_cell, refusals = {}, {}
+    per_cell, refusals, moved = {}, {}, {}
     for cell in cells:
         strategy, precision = cell.split(":")
         counts = per_cell[cell] = {"ok": 0, "refused": 0, "failed": 0}
         with float16_engine_offered(strategy, precision):
             for i in range(count) if index is None and program is None else [index or 0]:
-                drawn = program or draw(random.Random(f"{seed}:{cell}:{i}"), strategy, precision)
+                drawn = program or draw(random.Random(f"{seed}:{cell}:{i}"), strategy, precision, move_share)
                 try:
                     verdict, detail = check(drawn, strategy, precision, seed * 1000 + i, timeout)
                 except TimeoutError as error:  # this rank waited past the program's bound: the others are elsewhere
                     print(f"\nHANG {cell} program {i}: {error}\n{script(drawn, strategy, precision)}\n"
-                          f"{replay(cell, seed, i, drawn)}", file=sys.stderr, flush=True)
+                          f"{replay(cell, seed, i, drawn, move_share)}", file=sys.stderr, flush=True)
                     raise
                 totals[verdict] += 1
                 counts[verdict] += 1
+                if verdict == "ok" and drawn.get("moved"):  # of the ok ones: loaded in a fresh process too
+                    moved[drawn["moved"]] = moved.get(drawn["moved"], 0) + 1
                 if verdict == "refused":
                     refusals[drawn["expect"]] = refusals.get(drawn["expect"], 0) + 1
                 if verdict != "failed":
@@ -150,14 +206,15 @@ def run_cells(cells: list[str], seed: int, count: int, index: int | None = None,
                     detail = smaller_detail or detail
                 if rank == 0:
                     print(f"\nFAILED {cell} program {i} (shrunk in {tries} runs): {detail}\n"
-                          f"{script(small, strategy, precision)}\n{replay(cell, seed, i, small)}", file=out, flush=True)
-    return {**totals, "cells": per_cell, "refusals": refusals}
+                          f"{script(small, strategy, precision)}\n{replay(cell, seed, i, small, move_share)}",
+                          file=out, flush=True)
+    return {**totals, "cells": per_cell, "refusals": refusals, "moved to": moved}
 
 
-def replay(cell: str, seed: int, index: int, program: dict) -> str:
+def replay(cell: str, seed: int, index: int, program: dict, move_share: float = MOVE_SHARE) -> str:
     """The commands that run `program` again (as printed, and as drawn)."""
     command = f"python -m tests.contract --cells {cell}{' --devices 2' if cell.split(':')[0] != 'single' else ''} " \
-              f"--seed {seed} --index {index}"
+              f"--seed {seed} --index {index}" + (f" --move-share {move_share:g}" if move_share != MOVE_SHARE else "")
     return f"replay: {command} --program '{json.dumps(program)}'\nas drawn: {command}"
 
 
@@ -177,7 +234,12 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds a collective of a distributed program may wait (its Fabric(timeout=...)): a "
                              "rank that waits longer prints HANG with the program and stops the run")
+    parser.add_argument("--move-share", type=float, default=MOVE_SHARE,
+                        help="the share of programs whose final checkpoint a fresh process loads, under a cell of "
+                             "the same precision drawn for each (0 to 1)")
     args = parser.parse_args(argv)
+    if not 0 <= args.move_share <= 1:
+        parser.error(f"--move-share is a share of the programs, from 0 to 1; got {args.move_share:g}")
     cells = args.cells.split(",") if args.cells else (ONE_PROCESS if args.devices == 1 else TWO_PROCESSES)
     unknown = [cell for cell in cells if cell not in ONE_PROCESS + TWO_PROCESSES]
     if unknown:
@@ -201,7 +263,7 @@ def main(argv=None) -> int:
     if args.timeout <= 0:
         parser.error(f"--timeout must be > 0 seconds, got {args.timeout:g}")
     result = run_cells(cells, args.seed, args.count, args.index, program=program, shrink_failures=not args.no_shrink,
-                       timeout=args.timeout)
+                       timeout=args.timeout, move_share=args.move_share)
     import torch.distributed as dist
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0  # rank 0 reports for every rank

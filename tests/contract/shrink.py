@@ -12,6 +12,8 @@ ONE_MODEL_KINDS = ("each", "accumulate", "penalty", "penalty2", "probe")  # what
 def simpler(program: dict):
     """Candidates, roughly largest cut first (each a new program; `expect` is the caller's to set)."""
     models, steps = program["models"], program["steps"]
+    if program.get("moved"):
+        yield {**copy.deepcopy(program), "moved": None}
     for j in range(len(models)):
         if len(models) > 1:
             yield without_model(program, j)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from tests.contract.compare import results_of
+from tests.contract.compare import moments, results_of
 from tests.contract.programs import make_loader, make_models, make_optimizer, optimizer_params, train
 
 
@@ -21,7 +21,11 @@ def run_core(program: dict, strategy: str, precision: str, seed: int, tmp: Path,
     loader = make_loader(program, fabric.world_size, fabric.global_rank, shard=False, seed=seed)
     loader = fabric.setup_dataloaders(loader, use_distributed_sampler=program["loader"] != "batch_sampler")
     ops = CoreOps(fabric, set_up, rebuild=lambda: build(fabric, program, seed + 1))
-    return train(program, loader, ops, tmp)
+    results = train(program, loader, ops, tmp)
+    if program.get("moved"):  # for a fresh process to load, and what each rank held (run.check_moved)
+        torch.save(moments(results), tmp / f"held{fabric.global_rank}.pt")
+        ops.save(tmp / "moved.ckpt")  # (every rank has written its own before the save's collectives end)
+    return results
 
 
 def build(fabric, program: dict, seed: int) -> list:
