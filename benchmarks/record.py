@@ -93,25 +93,32 @@ def table(columns: list[str], rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bar_chart(path: Path, labels: list[str], values: list[float], target, xlabel: str) -> None:
-    """Horizontal bars; `target`: None, one bound for all bars (a dashed line), or one bound (or None) per bar
-    (a tick on each bar). A bar above its bound is red."""
+def ratio_chart(path: Path, labels: list[str], spreads: list[dict], floors: list[float | None], xlabel: str,
+                title: str) -> None:
+    """One row per label: the median ratio as a point, its [min, max] over repeats as a line through it, and the
+    noise band 1 +- floor (None: no band) shaded behind it, around a line at 1.0 (no difference)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    targets = target if isinstance(target, list) else [target] * len(values)
-    fig, ax = plt.subplots(figsize=(7, 0.35 * len(labels) + 1.2))
-    ax.barh(labels, values, color=["tab:red" if t and v > t else "tab:blue" for v, t in zip(values, targets)])
-    if isinstance(target, list):
-        marked = [(i, t) for i, t in enumerate(targets) if t]
-        ax.plot([t for _, t in marked], [i for i, _ in marked], "k|", markersize=14, label="target")
-    elif target:
-        ax.axvline(target, color="k", linestyle="--", label=f"target {target}")
-    if any(targets):
-        ax.legend()
-    ax.set_xlabel(xlabel)
+    fig, ax = plt.subplots(figsize=(8, 0.42 * len(labels) + 1.6))
+    banded = False
+    for y, floor in enumerate(floors):
+        if floor is not None:
+            ax.fill_betweenx([y - 0.4, y + 0.4], 1 - floor, 1 + floor, color="0.85", lw=0,
+                             label=None if banded else "noise band (A/A)")
+            banded = True
+    medians = [s["median"] for s in spreads]
+    ax.errorbar(medians, range(len(labels)), xerr=[[m - s["min"] for m, s in zip(medians, spreads)],
+                                                   [s["max"] - m for m, s in zip(medians, spreads)]],
+                fmt="o", color="tab:blue", ecolor="tab:blue", capsize=3, label="median [min-max]")
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    below = 0.6 / (0.42 * len(labels) + 0.6)  # under the x label: about 0.6 inch, in the axes' height
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -below), ncol=2, frameon=False, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

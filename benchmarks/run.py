@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 from benchmarks import cadence, evaluation, maml_speed, overhead, paired, parity
-from benchmarks.record import RESULTS, ROOT, bar_chart, environment, results_dir, table, uncommitted, write
+from benchmarks.record import RESULTS, ROOT, environment, ratio_chart, results_dir, table, uncommitted, write
 from benchmarks.workloads import WORKLOADS
 
 PARTS = ("overhead", "maml", "parity", "checkpoint", "cadence", "evaluation", "quality")
@@ -166,56 +166,56 @@ def run_parity(quick: bool) -> str:
 
 
 def parity_markdown(aa: dict, rows: list[dict], directory) -> str:
-    """The parity table of the A/A rows (one per workload) and the wrapped-vs-plain rows; its charts into
-    `directory`."""
-    lines, wrapper, costs = [], [], []
+    """The parity tables: the wrapper against plain doing the same (with the A/A rows), and what a strategy or a
+    precision costs where plain PyTorch has no counterpart; their charts into `directory`."""
+    wrapper, costs = [], []
     for r in [*aa.values(), *rows]:
-        is_aa = r["against"] == "plain"
-        same_work = r["plain"] == r["strategy"] and r["precision"] == "32-true"  # else a strategy's or precision's cost
-        (wrapper if same_work or is_aa else costs).append(r)
-        memory_ok = _mark(r["wrapped_memory_mb"] <= 1.05 * r["plain_memory_mb"])
+        same_work = r["against"] == "plain" or (r["plain"] == r["strategy"] and r["precision"] == "32-true")
+        (wrapper if same_work else costs).append(r)
+
+    def line(r):
         weights = "bitwise" if r["weights_bitwise_equal"] else f"max diff {r['weights_max_abs_diff']:.2g}"
-        lines.append([r["workload"], "plain (A/A)" if is_aa else r["strategy"], r["precision"],
-                      r["plain_ms"]["median"], r["wrapped_ms"]["median"],
-                      _ratio(r["ratio"]), _ratio(r["cpu_ratio"]), f"+-{noise_floor(aa[r['workload']]):.3f}",
-                      r["plain_memory_mb"], r["wrapped_memory_mb"], memory_ok, weights,
-                      " ".join("".join(v[0] for v in order) for order in r["orders"])])
+        return [r["workload"], "plain (A/A)" if r["against"] == "plain" else r["strategy"], r["precision"],
+                r["plain"] if r["against"] != "plain" else "single", r["plain_ms"]["median"],
+                r["wrapped_ms"]["median"], _ratio(r["ratio"]), _ratio(r["cpu_ratio"]),
+                f"+-{noise_floor(aa[r['workload']]):.3f}", r["plain_memory_mb"], r["wrapped_memory_mb"],
+                _mark(r["wrapped_memory_mb"] <= 1.05 * r["plain_memory_mb"]), weights,
+                " ".join("".join(v[0] for v in order) for order in r["orders"])]
+    columns = ["workload", "strategy", "precision", "plain side", "plain ms", "wrapped ms", "ratio (clock)",
+               "CPU ratio", "noise floor", "plain MB", "wrapped MB", "memory <= plain + 5%", "weights", "order"]
     floors = ", ".join(f"{w} {noise_floor(row):.3f} ({noise_floor(row, 'ratio'):.3f} on the clock)"
                        for w, row in aa.items())
-    markdown = ("Wrapped vs plain, paired runs of the real scripts, each pair in a random order (seeded, recorded "
-                "in the last column: `pw` = plain first). Plain reference of fsdp rows: the plain loop under FSDP2 "
-                "(`benchmarks/plain_fsdp.py`: gan, autoencoder), plain DDP for metalearn; of deepspeed rows: plain "
-                "DDP under torchrun; bf16-mixed rows against plain float32, so weights differ by design. Time per step "
-                "in ms on the clock, median over logging windows; ratio (clock) and CPU ratio (rank 0's CPU time "
-                "per step, user + system): median [min-max] over repeats. `plain (A/A)` rows "
-                "run the plain script against itself: their CPU ratios' largest distance from 1 is the noise floor "
-                f"of that workload on this machine ({floors}), shown beside every row of the workload. Time has no "
-                "verdict here: whole scripts spread by more than the few percent a wrapper may cost (a ratio inside "
-                "the floor is indistinguishable from plain at this resolution); the wrapper's cost resolved to a few "
-                "percent, with calibrated verdicts, is the [overhead](#overhead) table. Rows against plain DDP "
-                "(metalearn fsdp, deepspeed) show the strategy's own cost over it, bf16-mixed rows the precision's "
-                "over float32. "
-"Memory: peak RSS of rank 0 in MB, target <= plain + 5%. "
-                "Weights: `bitwise`, or `max diff`, the largest absolute difference of any final weight between "
-                "the two runs, where the arithmetic differs (bf16 against float32; DeepSpeed's own optimizer step "
-                "and gradient reduction).\n\n" +
-                table(["workload", "strategy", "precision", "plain ms", "wrapped ms", "ratio (clock)", "CPU ratio",
-                       "noise floor",
-                       "plain MB", "wrapped MB", "memory ok", "weights", "order"], lines) +
+    markdown = ("Paired runs of the real scripts, each pair in a random order (seeded, recorded in the last column: "
+                "`pw` = plain first). Time per step in ms on the clock, median over logging windows; ratio (clock) "
+                "and CPU ratio (rank 0's CPU time per step, user + system): median [min-max] over repeats. `plain "
+                "(A/A)` rows run the plain script against itself: their CPU ratios' largest distance from 1 is the "
+                f"noise floor of that workload on this machine ({floors}), shown beside every row of the workload. "
+                "Time has no verdict here: whole scripts spread by more than the few percent a wrapper may cost (a "
+                "ratio inside the floor is indistinguishable from plain at this resolution); the wrapper's cost "
+                "resolved to a few percent, with calibrated verdicts, is the [overhead](#overhead) table. Memory: "
+                "peak RSS of rank 0 in MB. Weights: `bitwise`, or `max diff`, the largest absolute difference of any "
+                "final weight between the two runs.\n\n"
+                "**The wrapper's cost**: core against plain PyTorch doing the same work (single: the plain script; "
+                "ddp: it under torchrun; fsdp: the workload's plain FSDP2 loop, `benchmarks/plain_fsdp.py`), "
+                "32-true: the weights must be bitwise equal.\n\n" + table(columns, [line(r) for r in wrapper]) +
+                "\n**What a strategy or a precision costs** (no plain counterpart: not the wrapper's cost): "
+                "DeepSpeed, and fsdp for metalearn (which has no plain FSDP2 loop), against plain DDP under torchrun; "
+                "bf16-mixed against plain float32. The weights differ by design (DeepSpeed's own optimizer step and "
+                "gradient reduction; bfloat16 arithmetic).\n\n" + table(columns, [line(r) for r in costs]) +
                 "\nScaling on this 2-core CPU (a cost and correctness figure, not a speed-up: 2 processes of "
                 "1 thread each share 2 cores): " + _scaling(rows) + "\n\nCharts: `parity_wrapper.png` (the "
-                "wrapper's cost: single, ddp and fsdp against plain FSDP2 in 32-true, with the workload's noise "
-                "floor, and the A/A rows), "
-                "`parity_costs.png` (what a strategy or a precision costs on this machine; no target).\n")
+                "wrapper's cost, each ratio with its spread over repeats and the workload's noise band), "
+                "`parity_costs.png` (what a strategy or a precision costs).\n")
     directory.mkdir(parents=True, exist_ok=True)
-    bar_chart(directory / "parity_wrapper.png",
-              [f"{r['workload']} {'A/A' if r['against'] == 'plain' else r['strategy']}" for r in wrapper],
-              [r["cpu_ratio"]["median"] for r in wrapper], [1 + noise_floor(aa[r["workload"]]) for r in wrapper],
-              "CPU time per step, wrapped / plain (A/A: plain / plain); |: 1 + the workload's noise floor")
+    ratio_chart(directory / "parity_wrapper.png",
+                [f"{r['workload']} {'A/A' if r['against'] == 'plain' else r['strategy']}" for r in wrapper],
+                [r["cpu_ratio"] for r in wrapper], [noise_floor(aa[r["workload"]]) for r in wrapper],
+                "CPU time per step, wrapped / plain (A/A: plain / plain)", "The wrapper's cost (32-true)")
     if costs:
-        bar_chart(directory / "parity_costs.png", [f"{r['workload']} {r['strategy']} {r['precision']}" for r in costs],
-                  [r["ratio"]["median"] for r in costs], None,
-                  "step time ratio: deepspeed, metalearn fsdp over plain DDP; bf16-mixed over plain float32")
+        ratio_chart(directory / "parity_costs.png", [f"{r['workload']} {r['strategy']} {r['precision']}" for r in costs],
+                    [r["cpu_ratio"] for r in costs], [None] * len(costs),
+                    "CPU time per step, against plain DDP (bf16-mixed: against plain float32)",
+                    "What a strategy or a precision costs")
     return markdown
 
 
