@@ -26,7 +26,7 @@ import torch
 from core.checkpoint.files import (FORMAT, MARKER, STATE, VERSION, CheckpointError, NoSpace, atomic_save,  # noqa: F401
                                    clear_directory, indexed_optimizer_state, is_optimizer_entry, load_checkpoint,
                                    named_optimizer_state, recover, replace_directory, save_checkpoint, save_file, staging,
-                                   trusted)
+                                   stop_together_cleaned, trusted)
 
 
 

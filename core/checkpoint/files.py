@@ -148,6 +148,21 @@ def replace_directory(tmp: Path, path: Path, rank: int, barrier) -> None:
     barrier()
 
 
+def stop_together_cleaned(path: Path, tmp: Path, rank: int, stop_together, problem: str | None) -> None:
+    """After every rank wrote its part of a directory checkpoint into `tmp`: `stop_together(problem)` (every rank
+    raises NoSpace where any rank found no space), the partial directory removed, and the line said (by rank 0)
+    with the space free now and the size of the previous checkpoint, which stays whole."""
+    try:
+        stop_together(problem)
+    except NoSpace:
+        if rank == 0:
+            remove(tmp)
+        previous = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else None
+        error = NoSpace(space.message(path, previous))
+        error.every_rank = True
+        raise error from None
+
+
 def aside(path: Path) -> Path:
     """Where replace_directory keeps the checkpoint it replaces until the new one is in place."""
     return path.with_name(f".{path.name}.old")

@@ -103,16 +103,7 @@ def save(path, state: dict, rank: int, barrier, stop_together=_alone, group=None
         if not space.lack_of_space(error):
             raise
         problem = "no space"
-    try:
-        stop_together(problem)
-    except files.NoSpace:
-        if rank == 0:
-            files.remove(tmp)
-        # said by rank 0, once the partial files are gone: the space free now, and the previous checkpoint's size
-        previous = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else None
-        error = files.NoSpace(space.message(path, previous))
-        error.every_rank = True
-        raise error from None
+    files.stop_together_cleaned(path, tmp, rank, stop_together, problem)
     files.replace_directory(tmp, path, rank, barrier)
 
 

@@ -34,6 +34,7 @@ import torch
 
 from core import checkpoint
 from core.checkpoint import deepspeed as deepspeed_checkpoint
+from core.checkpoint import space
 from core.errors import CoreRuntimeError, CoreTypeError, CoreValueError
 from core.precision.engine import EnginePrecision
 from core.strategies.ddp import DDP
@@ -238,25 +239,31 @@ class DeepSpeed(DDP):
         tmp = checkpoint.staging(path)
         checkpoint.clear_directory(tmp, self.global_rank, self.barrier)
         key_of = {id(value.wrapped): key for key, value in state.items() if isinstance(value, checkpoint.InEngine)}
-        plain = {}
-        for key, value in state.items():
-            if isinstance(value, checkpoint.InEngine):  # every rank writes its own partitions
-                value.wrapped._forward_module.save_checkpoint(str(tmp), tag=key, save_latest=False)
-                shapes = {name: list(getattr(p, "ds_shape", p.shape))
-                          for name, p in value.wrapped.module.named_parameters()}
-                plain[key] = {"deepspeed_tag": key, "world_size": self.world_size, "stage": self.stage,
-                              "shapes": shapes}
-            elif isinstance(value, dict) and isinstance(value.get("optimizer"), checkpoint.InEngine):
-                if id(value["optimizer"].wrapped) not in key_of:
-                    raise CoreValueError(
-                        f"Under DeepSpeed an optimizer's state is saved with its model's engine: put the "
-                        f"model that {key!r} updates into the same fabric.save call.")
-                plain[key] = {**value, "optimizer": {"deepspeed_tag": key_of[id(value["optimizer"].wrapped)]}}
-            else:
-                plain[key] = value
-        self.barrier()
-        if self.global_rank == 0:
-            checkpoint.save_checkpoint(plain, tmp / checkpoint.STATE)
+        plain, problem = {}, None
+        try:
+            for key, value in state.items():
+                if isinstance(value, checkpoint.InEngine):  # every rank writes its own partitions
+                    value.wrapped._forward_module.save_checkpoint(str(tmp), tag=key, save_latest=False)
+                    shapes = {name: list(getattr(p, "ds_shape", p.shape))
+                              for name, p in value.wrapped.module.named_parameters()}
+                    plain[key] = {"deepspeed_tag": key, "world_size": self.world_size, "stage": self.stage,
+                                  "shapes": shapes}
+                elif isinstance(value, dict) and isinstance(value.get("optimizer"), checkpoint.InEngine):
+                    if id(value["optimizer"].wrapped) not in key_of:
+                        raise CoreValueError(
+                            f"Under DeepSpeed an optimizer's state is saved with its model's engine: put the "
+                            f"model that {key!r} updates into the same fabric.save call.")
+                    plain[key] = {**value, "optimizer": {"deepspeed_tag": key_of[id(value["optimizer"].wrapped)]}}
+                else:
+                    plain[key] = value
+            self.barrier()
+            if self.global_rank == 0:
+                checkpoint.save_checkpoint(plain, tmp / checkpoint.STATE)
+        except BaseException as error:  # a full disk: every rank stops together (the same filesystem fills for all)
+            if not space.lack_of_space(error):
+                raise
+            problem = "no space"
+        checkpoint.stop_together_cleaned(path, tmp, self.global_rank, self.stop_together, problem)
         checkpoint.replace_directory(tmp, path, self.global_rank, self.barrier)
 
     def load_checkpoint(self, path, held=None) -> dict:
