@@ -470,8 +470,11 @@ def main(argv=None):
         print(markdown)
         if not args.quick and not args.no_readme and part not in ("cadence", "evaluation"):  # part by part: a later failure loses none
             update_readme({"maml_speed" if part == "maml" else part: markdown})
-    if args.quick:
-        print(f"Quick results are in {results_dir(True)}; benchmarks/README.md and the full results are unchanged.")
+    directory = results_dir(args.quick)
+    written = sorted(p.name for p in directory.glob("*") if p.suffix in (".md", ".png"))
+    print(f"Reports and charts: {directory}/ ({', '.join(written)})" +
+          ("; benchmarks/README.md and the full results are unchanged." if args.quick else
+           ("" if args.no_readme else "; their tables are in benchmarks/README.md.")))
 
 
 if __name__ == "__main__":

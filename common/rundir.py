@@ -9,6 +9,7 @@ import atexit
 import dataclasses
 import json
 import os
+import sys
 import shutil
 import socket
 import time
@@ -84,12 +85,12 @@ class RunDir:
         """After a save of `checkpoint` at `step` (rank 0): keep it as checkpoints/step-STEP.ckpt too, and remove
         the oldest kept ones beyond --keep-checkpoints, so that a damaged newest checkpoint is not the run's only
         one. Hard links: no second copy of the bytes (a later save writes last.ckpt anew, leaving these whole).
-        `after`: the Future of a background save: kept once it is written (in its thread, before the next save's
-        write starts), not at all if it failed (the next save or the end of the run raises that)."""
+        `after`: the Future of a background save: kept once it is written, in its thread (the next save waits for
+        that too), not at all if it failed (the next save or the end of the run raises that)."""
         if not self.write or self.keep <= 1:
             return
         if after is not None:
-            after.add_done_callback(lambda saved: self.keep_checkpoint(step) if saved.exception() is None else None)
+            after.add_done_callback(lambda saved: self._keep_written(step, saved))
             return
         kept = self.checkpoint.with_name(f"step-{step:08d}.ckpt")
         staging = kept.with_name(f".{kept.name}.tmp")
@@ -99,6 +100,15 @@ class RunDir:
         os.replace(staging, kept)
         for _, old in kept_checkpoints(self.path)[:-self.keep]:
             _remove(old)
+
+    def _keep_written(self, step: int, saved) -> None:
+        if saved.exception() is not None:
+            return
+        try:
+            self.keep_checkpoint(step)
+        except OSError as error:  # in the writer thread, which would only log it: said, and the run goes on
+            print(f"[run] could not keep {self.checkpoint} as step {step} ({error}); last.ckpt is whole.",
+                  file=sys.stderr, flush=True)
 
     @property
     def best_checkpoint(self) -> Path:

@@ -401,7 +401,8 @@ class Fabric:
             self._strategy.save_checkpoint(path, self._collect(state))
             return None
         group = self._strategy.background_group()  # (DeepSpeed refuses here)
-        return self._saves.start(path, self._strategy.save_checkpoint, stage(self._collect(state)), group)
+        return self._saves.start(path, self._strategy.save_checkpoint, stage(self._collect(state)), group,
+                                 self._strategy.device)
 
     def wait_for_save(self) -> None:
         """Wait for the background save running, if any, and raise what it raised (every rank together)."""

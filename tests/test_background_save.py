@@ -45,14 +45,17 @@ def saved_tensors(path) -> dict:
     return flat
 
 
-def test_a_background_save_holds_the_state_of_its_call_not_what_training_did_after(tmp_path):
+def test_a_background_save_holds_the_state_of_its_call_not_what_training_did_after(tmp_path, monkeypatch):
     fabric = Fabric(accelerator="cpu")
     state = trained(fabric)
     fabric.save(tmp_path / "foreground.ckpt", state)
+    release, real = threading.Event(), checkpoint.files.atomic_save
+    monkeypatch.setattr(checkpoint.files, "atomic_save", lambda obj, target: release.wait(30) and real(obj, target))
     saving = fabric.save(tmp_path / "background.ckpt", state, background=True)
-    for _ in range(3):  # training goes on while it writes: in-place updates of weights, moments and statistics
+    for _ in range(3):  # training goes on before it writes: in-place updates of weights, moments and statistics
         step(fabric, state["model"], state["optimizer"])
     state["step"] = 4
+    release.set()
     fabric.wait_for_save()
     assert saving.done() and saving.exception() is None
     expected, got = saved_tensors(tmp_path / "foreground.ckpt"), saved_tensors(tmp_path / "background.ckpt")
@@ -98,6 +101,21 @@ def test_a_load_waits_for_the_background_save_of_its_path(tmp_path, monkeypatch)
     assert writing.wait(30)
     threading.Timer(0.5, release.set).start()  # the load below must wait for it, not read step 1
     assert fabric.load(path)["step"] == 2
+
+
+def test_the_next_save_waits_for_what_runs_once_a_background_save_is_written(tmp_path):
+    """The Future's callbacks (the scripts keep a checkpoint from one) run in the writer thread after the Future
+    is done: the next save, here in the foreground, waits for them too, so they see the file they were for."""
+    fabric = Fabric(accelerator="cpu")
+    state = trained(fabric)
+    path, seen = tmp_path / "last.ckpt", []
+
+    def keep(saved):
+        threading.Event().wait(0.5)
+        seen.append(checkpoint.read(path)["step"])
+    fabric.save(path, state, background=True).add_done_callback(keep)
+    fabric.save(path, {**state, "step": 2})
+    assert seen == [1]
 
 
 KILLED = """

@@ -182,8 +182,11 @@ def _merge_partitions(folder: Path, z) -> tuple[dict, dict]:
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
         weights = merge([o[flat_key] for o in optims])
-    # ZeRO-1 keeps the weights its user froze only in the module's state (ZeRO-2 and -3 in fields merged above)
-    weights.update({name: value.clone() for name, value in models[0]["module"].items() if name not in weights})
+    # ZeRO-1 keeps the weights its user froze only in the module's state (ZeRO-2 and -3 in fields merged above):
+    # the module's tensors that are neither trained weights nor buffers (all merged above)
+    trained = {name for shapes in states[0].param_shapes for name in shapes}
+    weights.update({name: value.clone() for name, value in models[0]["module"].items()
+                    if name not in weights and name not in trained and torch.is_tensor(value)})
     base = [o["base_optimizer_state"] if stage <= 2 else o["optimizer_state_dict"] for o in optims]  # the torch optimizer's
     names = [list(shapes) for shapes in states[0].param_shapes]  # the parameters of each flat group, in order
     hyper = base[0]["param_groups"]

@@ -57,6 +57,7 @@ def _spawned(rank, fn, num_processes, port, threads, fabric, args, kwargs, queue
     result = fn(fabric, *args, **kwargs)
     if rank == 0:
         queue.put(result)
+    fabric.wait_for_save()  # os._exit below would end a background write mid-way
     fabric.barrier()
     fabric._strategy.teardown()
     sys.stdout.flush()

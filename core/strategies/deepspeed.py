@@ -259,9 +259,9 @@ class DeepSpeed(DDP):
             self.barrier()
             if self.global_rank == 0:
                 checkpoint.save_checkpoint(plain, tmp / checkpoint.STATE)
-        except BaseException as error:  # a full disk: every rank stops together (the same filesystem fills for all)
-            if not space.lack_of_space(error):
-                raise
+        except BaseException as error:  # a full disk: the ranks share its filesystem, so each finds it at the
+            if not space.lack_of_space(error):  # same file (a disk full for one rank only leaves the others in
+                raise  # DeepSpeed's barriers until --collective-timeout)
             problem = "no space"
         checkpoint.stop_together_cleaned(path, tmp, self.global_rank, self.stop_together, problem)
         checkpoint.replace_directory(tmp, path, self.global_rank, self.barrier)

@@ -59,7 +59,10 @@ def deepspeed_state(model, optimizer, engine) -> dict:
     state = {}
     for name, p in model.named_parameters():
         moments = {key: safe_get_full_optimizer_state(p, key) for key in keys} if p.requires_grad else {}
-        if moments and all(t is not None for t in moments.values()):
+        if any(t is None for t in moments.values()):  # a trained weight of an optimizer that stepped
+            raise RuntimeError(f"DeepSpeed gave no {keys} for {name}: the harness reads its optimizer state "
+                               f"wrong (a DeepSpeed that renamed what deepspeed_state relinks?)")
+        if moments:
             state[name] = moments
     return state
 
