@@ -94,9 +94,10 @@ def table(columns: list[str], rows: list[list]) -> str:
 
 
 def ratio_chart(path: Path, labels: list[str], spreads: list[dict], floors: list[float | None], xlabel: str,
-                title: str) -> None:
-    """One row per label: the median ratio as a point, its [min, max] over repeats as a line through it, and the
-    noise band 1 +- floor (None: no band) shaded behind it, around a line at 1.0 (no difference)."""
+                title: str, target: float | None = None, spread: str = "median [min-max]") -> None:
+    """One row per label: the ratio as a point (`median`), its spread or interval (`min`, `max`) as a line through
+    it, and the noise band 1 +- floor (None: no band) shaded behind it, around a line at 1.0 (no difference);
+    `target`: a dashed line where a ratio must stay under."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -111,14 +112,16 @@ def ratio_chart(path: Path, labels: list[str], spreads: list[dict], floors: list
     medians = [s["median"] for s in spreads]
     ax.errorbar(medians, range(len(labels)), xerr=[[m - s["min"] for m, s in zip(medians, spreads)],
                                                    [s["max"] - m for m, s in zip(medians, spreads)]],
-                fmt="o", color="tab:blue", ecolor="tab:blue", capsize=3, label="median [min-max]")
+                fmt="o", color="tab:blue", ecolor="tab:blue", capsize=3, label=spread)
     ax.axvline(1.0, color="k", lw=0.8)
+    if target is not None:
+        ax.axvline(target, color="tab:red", lw=1, ls="--", label=f"target {target:g}")
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=10)
     below = 0.6 / (0.42 * len(labels) + 0.6)  # under the x label: about 0.6 inch, in the axes' height
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -below), ncol=2, frameon=False, fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -below), ncol=3, frameon=False, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

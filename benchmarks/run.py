@@ -89,9 +89,27 @@ def run_overhead(quick: bool) -> str:
                 f"{result['stop_check']['one_process_us']['median']:.1f} us on one process, "
                 f"{result['stop_check']['two_processes_us']['median']:.1f} us on 2 gloo processes "
                 f"(one all-reduce).\n\nCommands (each path's process): " +
-                ", ".join(f"`{c}`" for c in config["commands"]) + "\n")
+                ", ".join(f"`{c}`" for c in config["commands"]) + "\n\nChart: `overhead.png` (each ratio with its "
+                "interval, against the target).\n")
     write("overhead", config, result["rows"] + [imports, result["stop_check"]], markdown, quick=quick)
+    overhead_chart(result["rows"], results_dir(quick))
     return markdown
+
+
+def overhead_chart(rows: list[dict], directory) -> None:
+    """overhead.png: each path's CPU-time ratio (core, and Lightning's where measured) with its 95% interval."""
+    labels, spreads = [], []
+    for r in rows:
+        clock = overhead.clock_of(r["path"])
+        for name, ratio in r["ratios"].items():
+            labels.append(f"{r['path']} {name}")
+            spreads.append({"median": ratio[clock]["ratio"], "min": ratio[clock]["interval"][0],
+                            "max": ratio[clock]["interval"][1]})
+    directory.mkdir(parents=True, exist_ok=True)
+    ratio_chart(directory / "overhead.png", labels, spreads, [None] * len(labels),
+                "time per step, wrapped / plain (CPU time; ddp: both ranks' training threads)",
+                "Host overhead per step, against plain PyTorch doing the same work", target=OVERHEAD_TARGET,
+                spread="trimmed mean [95% bootstrap interval]")
 
 
 def run_maml(quick: bool) -> str:
@@ -130,11 +148,43 @@ def run_maml(quick: bool) -> str:
                      f"{setup['learner_flops_per_s'] / 1e9:.2f} GFLOP/s, {setup['fraction_of_peak']:.1%} of the "
                      f"{setup['bmm_peak_flops_per_s'] / 1e9:.1f} GFLOP/s one thread reaches on a bmm of the "
                      f"model's own shapes ({setup['tasks']} x {setup['shots'] + setup['queries']} x 40 @ 40 x 40).\n\n"
-                     f"Order of the methods in each repeat (seeded): {orders}.\n\n")
+                     f"Order of the methods in each repeat (seeded): {orders}. Chart: `maml_speed.png`.\n\n")
     write("maml_speed", {"iterations": iterations, "repeats": repeats,
                          "setups": {n: [s["tasks"], s["shots"], s["queries"]] for n, s in result["setups"].items()}},
           [{"setup": n, **s} for n, s in result["setups"].items()], markdown, quick=quick)
+    maml_chart(result["setups"], results_dir(quick))
     return markdown
+
+
+def maml_chart(setups: dict, directory) -> None:
+    """maml_speed.png: each method's meta-iterations per second, median with its [min, max] over repeats, and the
+    speed each target asks of the learner (the reference's median times the target)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(len(setups), 1, figsize=(8, 2.4 * len(setups) + 0.6), squeeze=False)
+    for ax, (name, setup) in zip(axes[:, 0], setups.items()):
+        rows = setup["rows"]
+        speeds = [r["iterations_per_s"] for r in rows]
+        ax.errorbar([s["median"] for s in speeds], range(len(rows)),
+                    xerr=[[s["median"] - s["min"] for s in speeds], [s["max"] - s["median"] for s in speeds]],
+                    fmt="o", capsize=3, label="median [min-max] it/s")
+        for r in rows:
+            if r["method"] in MAML_TARGETS:  # the learner must run this many times faster than the method
+                ax.plot(r["iterations_per_s"]["median"] * MAML_TARGETS[r["method"]],
+                        [row["method"] for row in rows].index(maml_speed.LEARNER), "r|", markersize=16)
+        ax.plot([], [], "r|", markersize=10, label="learner's target (x the method's median)")
+        ax.set_xscale("log")
+        ax.set_yticks(range(len(rows)), [r["method"] for r in rows])
+        ax.invert_yaxis()
+        ax.set_title(f"MAML meta-iterations per second, {name} setup, 1 thread", fontsize=10)
+        ax.legend(loc="lower right", fontsize=8)
+    axes[-1, 0].set_xlabel("meta-iterations per second (log scale)")
+    fig.tight_layout()
+    fig.savefig(directory / "maml_speed.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def noise_floor(aa_row: dict, ratio: str = "cpu_ratio") -> float:
