@@ -85,7 +85,43 @@ def markdown(rows: list[dict], commands: list[str]) -> str:
                    "ratio read (0 / 3 / 10%)", "noise", "smallest detectable", "passes", f"resolves {TARGET}"],
                   lines) +
             "\nCommands (one per repeat, S = 0..{}):\n\n".format(repeats - 1) +
-            "".join(f"    {c}\n" for c in dict.fromkeys(commands)) + "\n")
+            "".join(f"    {c}\n" for c in dict.fromkeys(commands)) + "\nChart: `calibration.png` (every "
+            "repeat's reading and interval, coloured by its verdict).\n\n")
+
+
+def chart(runs: list[dict], directory) -> None:
+    """calibration.png: per row and side (A/A, +3%, +10%), every repeat's ratio with its interval, coloured by
+    its verdict against the target: what each row can tell apart."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = [p for p in overhead.ROWS if any(r["path"] == p for r in runs)]
+    labels = [f"{path} {side}" for path in paths for side in overhead.CALIBRATION]
+    colours = {"yes": "tab:green", "no": "tab:red"}
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(labels) + 1.4))
+    for y, (path, side) in enumerate((p, s) for p in paths for s in overhead.CALIBRATION):
+        mine = [r["ratios"][side][overhead.clock_of(path)] for r in runs if r["path"] == path]
+        for k, reading in enumerate(mine):
+            offset = (k - (len(mine) - 1) / 2) * 0.6 / max(len(mine), 1)  # the repeats side by side in the row
+            colour = colours.get(paired.verdict(reading["interval"], TARGET), "0.5")
+            ax.plot(reading["interval"], [y + offset] * 2, color=colour, lw=1)
+            ax.plot(reading["ratio"], y + offset, "o", color=colour, markersize=3)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.axvline(TARGET, color="tab:red", lw=1, ls="--")
+    for label, colour in (("reads yes (under the target)", "tab:green"), ("reads no", "tab:red"),
+                          ("no verdict", "0.5"), (f"target {TARGET}", None)):
+        ax.plot([], [], "o-" if colour else "--", color=colour or "tab:red", label=label, markersize=3)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ratio read (each repeat: estimate and 95% interval), against plain")
+    ax.set_title("Calibration: plain against itself (A/A) and slowed by 3% and 10%", fontsize=10)
+    below = 0.6 / (0.32 * len(labels) + 0.4)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -below), ncol=4, frameon=False, fontsize=8)
+    fig.tight_layout()
+    directory.mkdir(parents=True, exist_ok=True)
+    fig.savefig(directory / "calibration.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def resummarize(quick: bool = False) -> str:
@@ -102,6 +138,7 @@ def resummarize(quick: bool = False) -> str:
         rows.append({**summarize_row(path, mine), "commit": "/".join(dict.fromkeys(r["commit"] for r in mine))})
     text = markdown(rows, results["config"]["commands"])
     write("calibration", {**results["config"], "summarized_again": True}, rows + runs, text, quick=quick)
+    chart(runs, results_dir(quick))
     return text
 
 
@@ -137,6 +174,7 @@ def run(paths=tuple(overhead.ROWS), repeats: int = 10, quick: bool = False) -> s
                               "clocks": {p: overhead.clock_of(p) for p in overhead.ROWS},
                               "rows_config": {p: overhead.ROWS[p] for p in overhead.ROWS}, "commands": every_commands},
               every + kept_runs + raw, text, quick=quick)
+        chart(kept_runs + raw, results_dir(quick))
     return text
 
 

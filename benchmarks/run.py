@@ -375,7 +375,47 @@ def run_quality(workloads=None) -> str:
     threads = "; ".join([DEFAULT_THREADS] + [f"{r['workload']} {r['setup']}: {r['threads']}" for r in records
                                              if r["threads"] != DEFAULT_THREADS])  # rows run otherwise, by hand
     write("quality", {"commands": commands}, records, markdown, threads=threads)
+    quality_chart(records, RESULTS)
     return markdown
+
+
+def quality_chart(records: list[dict], directory) -> None:
+    """quality.png: one strip per targeted metric of each workload and setup: every seed's value, their mean, and
+    the target (the side that meets it shaded)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    strips = []
+    for record in records:
+        for quality in WORKLOADS[record["workload"]].quality:
+            key = quality.metric
+            if key not in record["summaries"][0]:
+                continue
+            values = [s[key]["1"] if key in STEP_METRICS else s[key] for s in record["summaries"]]
+            label = f"{STEP_METRICS[key]} after 1 step" if key in STEP_METRICS else key
+            strips.append((f"{record['workload']} {record['setup']}\n{label}", values, quality.target))
+    fig, axes = plt.subplots(len(strips), 1, figsize=(8, 0.75 * len(strips) + 0.8), squeeze=False)
+    for ax, (label, values, target) in zip(axes[:, 0], strips):
+        op, bound = target.split()
+        bound = float(bound)
+        finite = [v for v in values if v is not None]
+        low, high = min(finite + [bound]), max(finite + [bound])
+        pad = 0.15 * (high - low or abs(bound) or 1)
+        ax.set_xlim(low - pad, high + pad)
+        ax.axvspan(*((low - pad, bound) if op == "<=" else (bound, high + pad)), color="tab:green", alpha=0.12)
+        ax.axvline(bound, color="tab:green", lw=1)
+        ax.plot(finite, [0] * len(finite), "o", color="tab:blue", markersize=5, label="each seed")
+        if len(finite) == len(values):
+            ax.plot(statistics.mean(finite), 0, "D", color="k", markersize=6, label="mean")
+        ax.set_yticks([0], [label], fontsize=8)
+        ax.tick_params(axis="x", labelsize=8)
+    axes[0, 0].plot([], [], color="tab:green", lw=6, alpha=0.3, label="meets the target")
+    axes[0, 0].legend(loc="lower center", bbox_to_anchor=(0.5, 1.05), ncol=3, frameon=False, fontsize=8)
+    fig.suptitle(f"Quality of the default commands, seeds {', '.join(map(str, SEEDS))}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(directory / "quality.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def _over_seeds(values: list) -> tuple:
@@ -422,7 +462,8 @@ def quality_markdown(records: list[dict]) -> str:
             f"--seed S`, the flags of the setup added):\n\n" +
             table(["workload", "setup", "metric", "mean", "over seeds", "target", "met", "train s (mean)",
                    "reference"], rows) +
-            f"\nMAML after 0/1/5/10 inner steps (means over the seeds): {steps}.\n\n" + QUALITY_NOTES)
+            f"\nMAML after 0/1/5/10 inner steps (means over the seeds): {steps}. Chart: `quality.png`.\n\n" +
+            QUALITY_NOTES)
 
 
 QUALITY_NOTES = (
