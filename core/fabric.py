@@ -396,12 +396,16 @@ class Fabric:
         one checkpoint, atomically. Every process must call it. `background=True`: return once the state is
         copied, with a Future of the write, which goes on in a thread (core/checkpoint/background.py); the next
         save or load, or `wait_for_save()`, waits for it first and raises what it raised."""
+        return self._save(path, lambda: self._collect(state), background)
+
+    def _save(self, path, collected, background: bool) -> Future | None:
+        """save() of what `collected()` gives (the drop-in filters it first)."""
         self._saves.wait()
         if not background:
-            self._strategy.save_checkpoint(path, self._collect(state))
+            self._strategy.save_checkpoint(path, collected())
             return None
         group = self._strategy.background_group()  # (DeepSpeed refuses here)
-        return self._saves.start(path, self._strategy.save_checkpoint, stage(self._collect(state)), group,
+        return self._saves.start(path, self._strategy.save_checkpoint, stage(collected()), group,
                                  self._strategy.device)
 
     def wait_for_save(self) -> None:

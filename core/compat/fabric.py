@@ -174,13 +174,13 @@ class Fabric(fabric.Fabric):
         default, where the module-level function's is False)."""
         return seed_everything(seed, workers=True if workers is None else workers, verbose=verbose)
 
-    def save(self, path, state: dict, filter: dict | None = None) -> None:
+    def save(self, path, state: dict, filter: dict | None = None, background: bool = False):
         """As core.Fabric.save; `filter` ({key: fn(name, value) -> bool}) keeps only the entries of that key's
         state dict for which fn is True (Lightning's argument)."""
-        collected = self._collect(state)
-        if filter is not None:
-            collected = _apply_filter(collected, filter, self._strategy.name)
-        self._strategy.save_checkpoint(path, collected)
+        def collected():
+            out = self._collect(state)
+            return out if filter is None else _apply_filter(out, filter, self._strategy.name)
+        return self._save(path, collected, background)
 
     def load_raw(self, path, obj, strict: bool = True, weights_only: bool | None = None) -> None:
         """Load a bare state dict saved with `torch.save(module.state_dict())` (or an optimizer's) into a
