@@ -270,8 +270,9 @@ def indexed_optimizer_state(state: dict, groups: list[list[str]], frozen=frozens
     index = {name: i for i, name in enumerate(name for group in groups for name in group)}
     out_groups = []
     for number, (saved, names) in enumerate(zip(state["param_groups"], groups)):
-        if set(saved["params"]) - set(frozen) != set(names) - set(frozen) or not set(saved["params"]) <= set(names):
-            differ = sorted(set(saved["params"]) ^ set(names))
+        extra, missing = set(saved["params"]) - set(names), set(names) - set(saved["params"])
+        if extra or missing - set(frozen):  # only weights that do not train here may be missing
+            differ = sorted(extra | missing)
             raise CheckpointError(f"The checkpoint's optimizer group {number} does not hold the parameters of this "
                                   f"one (differing: {', '.join(differ[:5])}). Was it saved with another model?")
         out_groups.append({**saved, "params": [index[name] for name in names]})
