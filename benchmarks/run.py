@@ -1,4 +1,5 @@
-"""Reproduce the suite's numbers: parity, overhead, MAML speed, scaling and (full mode) quality.
+"""Reproduce the suite's numbers: parity, overhead, MAML speed, each workload against this machine, checkpoints and
+(full mode) quality.
 
     python -m benchmarks.run --quick        # about 10 minutes on a 2-core CPU
     python -m benchmarks.run                # full: more steps and repeats, every precision, the quality runs
@@ -18,11 +19,11 @@ import statistics
 import subprocess
 import sys
 
-from benchmarks import cadence, evaluation, maml_speed, overhead, paired, parity
+from benchmarks import cadence, evaluation, machine, maml_speed, overhead, paired, parity
 from benchmarks.record import RESULTS, ROOT, environment, ratio_chart, results_dir, table, uncommitted, write
 from benchmarks.workloads import WORKLOADS
 
-PARTS = ("overhead", "maml", "parity", "checkpoint", "cadence", "evaluation", "quality")
+PARTS = ("overhead", "maml", "machine", "parity", "checkpoint", "cadence", "evaluation", "quality")
 # plus each workload's noise floor (A/A rows); only where the plain side runs the same strategy (parity.plain_reference)
 NOT_INSTALLED = "not installed: pip install -e '.[bench]'"
 MAML_TARGETS = {"per-task autograd loop": 5, "per-task higher loop": 20}  # the learner's speed-up over each
@@ -553,13 +554,14 @@ def main(argv=None):
             parser.error(f"--workloads reruns part of the quality rows, but {RESULTS / 'quality.json'} does not "
                          f"exist yet; run the whole quality part first (--only quality without --workloads)")
     runs = {"overhead": run_overhead, "maml": run_maml, "parity": run_parity, "checkpoint": run_checkpoint,
-            "cadence": cadence.run_cadence, "evaluation": evaluation.run_evaluation, "quality": lambda quick: run_quality(workloads)}
+            "machine": machine.run_machine, "cadence": cadence.run_cadence,
+            "evaluation": evaluation.run_evaluation, "quality": lambda quick: run_quality(workloads)}
     for part in PARTS:
         if part not in parts or (part == "quality" and args.quick):
             continue
         markdown = runs[part](args.quick)
         print(markdown)
-        if not args.quick and not args.no_readme and part not in ("cadence", "evaluation"):  # part by part: a later failure loses none
+        if not args.quick and not args.no_readme and part not in ("machine", "cadence", "evaluation"):  # part by part: a later failure loses none
             update_readme({"maml_speed" if part == "maml" else part: markdown})
     directory = results_dir(args.quick)
     written = sorted(p.name for p in directory.glob("*") if p.suffix in (".md", ".png"))

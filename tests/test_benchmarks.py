@@ -249,10 +249,10 @@ def test_the_tables_live_in_the_benchmarks_readme_between_whole_marker_pairs():
 
 
 def test_the_hand_pasted_sections_are_the_results_files():
-    """cadence and evaluation run alone and are pasted into benchmarks/README.md by hand: as they stand in
-    results/, so a figure there has one source."""
+    """machine, cadence and evaluation run alone and are pasted into benchmarks/README.md by hand: as they stand
+    in results/, so a figure there has one source."""
     text = (record.ROOT / "benchmarks" / "README.md").read_text()
-    for name in ("cadence", "evaluation"):
+    for name in ("machine", "cadence", "evaluation"):
         saved = (record.ROOT / "benchmarks" / "results" / f"{name}.md").read_text().strip()
         assert f"<!-- {name} -->\n{saved}\n" in text, f"paste results/{name}.md after <!-- {name} --> again"
 
@@ -470,3 +470,45 @@ def test_calibrating_some_rows_keeps_the_others_with_their_commit(results, monke
     assert "python -m benchmarks.overhead 32-true --seed S --calibrate" in markdown
     rows = json.loads((results / "calibration.json").read_text())["rows"]
     assert [r["path"] for r in rows if "passed" in r] == ["32-true", "ddp x2"] and len(rows) == 2 + 1 + 2
+
+
+def test_the_machine_part_records_each_counted_call_and_replays_it_on_its_own_shapes():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks import machine
+    a, b = torch.randn(64, 128), torch.randn(256, 128).t()  # b not contiguous: its strides must come back
+    images, weight = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    counter, recorder = FlopCounterMode(display=False), machine.Recorder()
+    with counter, recorder:
+        for _ in range(3):
+            torch.mm(a, b)
+        torch.nn.functional.conv2d(images, weight, padding=1)
+        torch.relu(images)  # no FLOPs counted: not recorded
+    assert sorted(recorder.calls.values()) == [1, 3]
+    mm = next(key for key in recorder.calls if recorder.calls[key] == 3)
+    assert recorder.flops[mm] == 2 * 64 * 128 * 256
+    assert sum(recorder.calls[k] * recorder.flops[k] for k in recorder.calls) == counter.get_total_flops()
+    rebuilt = machine._build(mm[1])
+    assert [(t.shape, t.stride()) for t in rebuilt] == [(a.shape, a.stride()), (b.shape, b.stride())]
+    assert set(machine.replayed_seconds(recorder)) == {"mm", "convolution"}
+
+
+def test_the_machine_part_counts_one_step_of_the_default_command():
+    """The autoencoder's default command stopped after its windows: the counted step's FLOPs are those of one
+    default step counted apart (the model's forward and backward on a batch of 64 digits)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autoencoder.config import Config
+    from autoencoder.model import AutoEncoder
+    from benchmarks import machine
+    config = Config()
+    model = AutoEncoder(1, config.latent, config.image_size, config.width)
+    images = torch.randn(config.batch_size, 1, config.image_size, config.image_size)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        torch.nn.functional.mse_loss(model(images), images).backward()
+    row = machine.measure_workload("autoencoder", warmup=1, timed=3, profiled=1)
+    assert row["flops_per_step"] == counter.get_total_flops()
+    assert row["timed_steps"] == 3 and row["step_min_s"] <= row["step_s"] <= row["step_max_s"]
+    assert 0 < row["fraction"] and len(row["profile"]) == machine.TOP_OPS
+    assert sum(p["share"] for p in row["profile"]) <= 1
