@@ -561,7 +561,8 @@ def main(argv=None):
             continue
         markdown = runs[part](args.quick)
         print(markdown)
-        if not args.quick and not args.no_readme and part not in ("machine", "cadence", "evaluation"):  # part by part: a later failure loses none
+        # part by part, so a later failure loses none; the parts that also run alone are pasted by hand
+        if not args.quick and not args.no_readme and part not in ("machine", "cadence", "evaluation"):
             update_readme({"maml_speed" if part == "maml" else part: markdown})
     directory = results_dir(args.quick)
     written = sorted(p.name for p in directory.glob("*") if p.suffix in (".md", ".png"))
