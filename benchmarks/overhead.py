@@ -283,7 +283,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, help="rounds of blocks (default: the row's, ROWS)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the blocks' order and of the bootstrap")
     parser.add_argument("--calibrate", action="store_true", help="measure plain against plain again, and plain "
-                        f"again slowed by {', '.join(f'{f:.0%}' for f in CALIBRATION.values() if f)} (the A/A pair "
+                        f"again slowed by {', '.join(f'{f:.0%}%' for f in CALIBRATION.values() if f)} (the A/A pair "
                         "and the calibration; benchmarks/calibrate.py)")
     parser.add_argument("--slowdown", action="append", default=[], metavar="SIDE=FRACTION",
                         help="test-only: add a busy-wait of FRACTION x the plain step's CPU time to every step of "

@@ -244,6 +244,8 @@ WORKLOADS = {"autoencoder": autoencoder, "gan": gan}  # metalearn: a 2-layer MLP
 
 if __name__ == "__main__":
     name = sys.argv.pop(1) if len(sys.argv) > 1 else ""
+    if name in ("-h", "--help"):
+        sys.exit(print(__doc__))
     if name not in WORKLOADS:
         sys.exit(f"python -m benchmarks.plain_fsdp: error: the first argument is the workload: "
                  f"{', '.join(WORKLOADS)} (got {name!r})")

@@ -512,3 +512,14 @@ def test_the_machine_part_counts_one_step_of_the_default_command():
     assert row["timed_steps"] == 3 and row["step_min_s"] <= row["step_s"] <= row["step_max_s"]
     assert 0 < row["fraction"] and len(row["profile"]) == machine.TOP_OPS
     assert sum(p["share"] for p in row["profile"]) <= 1
+
+
+@pytest.mark.parametrize("module", ["cadence", "calibrate", "compare", "evaluation", "gpu_check", "machine",
+                                    "overhead", "run", "checkpoint", "plain_fsdp"])
+def test_every_benchmark_command_answers_help(module):
+    """`python -m benchmarks.<module> --help` prints its usage and exits 0 (a % in a help text broke it once)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--help"], cwd=record.ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() and not done.stderr.count("Traceback"), done.stderr[-2000:]
