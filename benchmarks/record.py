@@ -94,10 +94,11 @@ def table(columns: list[str], rows: list[list]) -> str:
 
 
 def ratio_chart(path: Path, labels: list[str], spreads: list[dict], floors: list[float | None], xlabel: str,
-                title: str, target: float | None = None, spread: str = "median [min-max]") -> None:
+                title: str, target: float | None = None, spread: str = "median [min-max]",
+                targets: list[float | None] | None = None) -> None:
     """One row per label: the ratio as a point (`median`), its spread or interval (`min`, `max`) as a line through
     it, and the noise band 1 +- floor (None: no band) shaded behind it, around a line at 1.0 (no difference);
-    `target`: a dashed line where a ratio must stay under."""
+    `target`: a dashed line where every ratio must stay under; `targets`: each row's own, as a red bar on its row."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -116,6 +117,10 @@ def ratio_chart(path: Path, labels: list[str], spreads: list[dict], floors: list
     ax.axvline(1.0, color="k", lw=0.8)
     if target is not None:
         ax.axvline(target, color="tab:red", lw=1, ls="--", label=f"target {target:g}")
+    marked = [(t, y) for y, t in enumerate(targets or []) if t is not None]
+    if marked:
+        ax.plot([t for t, _ in marked], [y for _, y in marked], "|", color="tab:red", markersize=14, mew=2,
+                label="the row's target")
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)

@@ -62,13 +62,21 @@ def _wrapped_step(fabric, generator, discriminator, optimizer_g, optimizer_d, re
     return step
 
 
-def _frozen_call(module, x):
+def _frozen_call(module, x, call=lambda module, x: module(x)):
     """D as a fixed function for G's step, as gan/train_torch.py (and fabric.frozen) call it."""
     module.requires_grad_(False)
     try:
-        return module(x)
+        return call(module, x)
     finally:
         module.requires_grad_(True)
+
+
+def _plain_step(generator, discriminator, frozen_discriminator, update_d, update_g, real, noise):
+    """gan/train_torch.py's step (no augmentation, no R1), each call and update as the plain side writes it."""
+    fake = generator(noise)
+    update_d(_losses(discriminator(real), discriminator(fake.detach())))
+    logits = frozen_discriminator(fake)
+    update_g(F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits)))
 
 
 def _sides(fabric, plain, generator, discriminator, real, noise) -> dict:
@@ -94,23 +102,18 @@ def sixteen_mixed() -> dict:
             out = module(x)
         return out.float()
 
+    def update(optimizer):
+        def through_scaler(loss):
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        return through_scaler
+
     def plain():
-        fake = autocast(generator, noise)
-        loss_d = _losses(autocast(discriminator, real), autocast(discriminator, fake.detach()))
-        optimizer_d.zero_grad(set_to_none=True)
-        scaler.scale(loss_d).backward()
-        scaler.step(optimizer_d)
-        scaler.update()
-        discriminator.requires_grad_(False)
-        try:
-            logits = autocast(discriminator, fake)
-        finally:
-            discriminator.requires_grad_(True)
-        loss_g = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
-        optimizer_g.zero_grad(set_to_none=True)
-        scaler.scale(loss_g).backward()
-        scaler.step(optimizer_g)
-        scaler.update()
+        _plain_step(lambda x: autocast(generator, x), lambda x: autocast(discriminator, x),
+                    lambda x: _frozen_call(discriminator, x, autocast), update(optimizer_d), update(optimizer_g),
+                    real, noise)
 
     fabric = Fabric(accelerator="cpu", precision="16-mixed")
     return _sides(fabric, plain, generator, discriminator, real, noise)
@@ -142,17 +145,16 @@ def deepspeed_stage_2() -> dict:
     engine_d, *_ = deepspeed.initialize(model=discriminator, optimizer=optimizer_d, config=PLAIN_DEEPSPEED_CONFIG,
                                         dist_init_required=False)
 
+    def update(engine):
+        def through_engine(loss):
+            engine.optimizer.zero_grad(set_to_none=True)
+            engine.backward(loss)
+            engine.step()
+        return through_engine
+
     def plain():
-        fake = engine_g(noise)
-        loss_d = _losses(engine_d(real), engine_d(fake.detach()))
-        engine_d.optimizer.zero_grad(set_to_none=True)
-        engine_d.backward(loss_d)
-        engine_d.step()
-        logits = _frozen_call(engine_d.module, fake)
-        loss_g = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
-        engine_g.optimizer.zero_grad(set_to_none=True)
-        engine_g.backward(loss_g)
-        engine_g.step()
+        _plain_step(engine_g, engine_d, lambda x: _frozen_call(engine_d.module, x), update(engine_d),
+                    update(engine_g), real, noise)
 
     return _sides(fabric, plain, generator, discriminator, real, noise)
 

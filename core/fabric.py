@@ -26,7 +26,7 @@ from core.state import collect, restore
 from core.strategies import STRATEGIES, SingleDevice, make_strategy
 from core.loaders import FabricDataLoader, rebuild_loader, shard_loader
 from core.wrappers import (BackwardState, FabricModule, FabricOptimizer, OptimizerStep, compile_like, frozen_parameters,
-                           move_to, unwrap_compiled, wrap_optimizer)
+                           move_to, uncopyable, unwrap_compiled, wrap_optimizer)
 
 
 _NO_FUNCTION = object()  # launch() without a function (None is refused, as Lightning refuses it)
@@ -230,7 +230,8 @@ class Fabric:
                 raise CoreValueError(f"strategy={self._strategy.name!r} runs the module inside its engine, which "
                                      f"torch.compile cannot wrap from outside; set up the uncompiled module.")
             forward_module = compiled if forward_module is module else compile_like(forward_module, compiled)
-        wrapped = FabricModule(forward_module, module, self._precision, guard=guard)
+        wrapped = FabricModule(forward_module, module, self._precision, guard=guard,
+                               uncopyable=uncopyable(self._strategy.name) if self._strategy.changes_module else None)
         shares = self._strategy.parameter_shares()
         if shares is not None:  # in the instance dict: not a submodule, not forwarded to the original module
             wrapped.__dict__["parameter_shares"] = shares

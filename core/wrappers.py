@@ -1,7 +1,8 @@
 """What `Fabric.setup` hands back: a wrapped module and a wrapped optimizer (the data loader's: `core/loaders.py`).
 
-Each is thin on purpose: in 32-true on one device, calling the module is nn.Module's call (its hooks)
-of the original module, and stepping the optimizer is stepping the original optimizer.
+Each call takes one route: a set-up module's call is FabricModule.forward (the strategy wrapper under the
+precision's mode; the original module while frozen), a marked method is that forward with the method standing in,
+and a set-up optimizer's step is its OptimizerStep.
 """
 import weakref
 from contextlib import contextmanager
@@ -65,7 +66,10 @@ class FabricModule(nn.Module):
     precision context; `.module` is the original. To its user it is the original module: hooks
     registered on it fire, and `state_dict`, `named_parameters`, `.device` and `.dtype` are the original's."""
 
-    def __init__(self, forward_module: nn.Module, original_module: nn.Module, precision, guard: bool):
+    def __init__(self, forward_module: nn.Module, original_module: nn.Module, precision, guard: bool,
+                 uncopyable: str | None = None):
+        """`uncopyable`: why the strategy cannot copy this module (it was sharded or put in an engine in place);
+        a deep copy or pickle then raises it. None: copies act on themselves."""
         super().__init__()
         self._forward_module = forward_module
         self._original_module = original_module
@@ -75,11 +79,8 @@ class FabricModule(nn.Module):
         d["_target"] = precision.forward_of(forward_module)
         d["_original"] = d["_target"] if forward_module is original_module else precision.forward_of(original_module)
         d["_frozen"] = False
-        d["_running"] = 0  # > 0 while this wrapper's own forward runs
-        if forward_module is original_module and not guard:
-            # one device: nothing to guard or freeze, so nn.Module.__call__ (hooks included) calls the mode's
-            # function without this class's bookkeeping
-            d["forward"] = d["_target"]
+        d["_running"] = 0  # 1 while this wrapper's own forward runs with its guards lifted
+        d["_uncopyable"] = uncopyable
         d["_guards"] = []
         if guard:  # the module itself too: a method that is not marked may call `self(x)`
             d["_guards"].append(_SubmoduleGuard(self, None, original_module))
@@ -89,6 +90,11 @@ class FabricModule(nn.Module):
             if callable(getattr(type(original_module), name, None)):
                 self.mark_forward_method(name)
         d["_ready"] = True  # from here on, attributes set on the wrapper go to the original module
+
+    def __getstate__(self):  # copy.deepcopy and pickle
+        if self.__dict__.get("_uncopyable"):
+            raise CoreRuntimeError(self.__dict__["_uncopyable"])
+        return super().__getstate__()
 
     def __setattr__(self, name: str, value) -> None:
         """`model.scale = 0.5` on a set-up module sets it on the original module, which its forward reads; an
@@ -105,18 +111,17 @@ class FabricModule(nn.Module):
     def forward(self, *args, **kwargs):
         d = self.__dict__
         target = d["_original"] if d["_frozen"] else d["_target"]
-        guards = d["_guards"]
-        if guards and not d["_running"]:  # inside, the children run on nn.Module's fast path, hook-free
-            for guard in guards:
-                guard.lift()
-        d["_running"] += 1
+        if not d["_guards"] or d["_running"]:  # no guards, or lifted already (a nested call: `self(x)` in a method)
+            return target(*args, **kwargs)
+        for guard in d["_guards"]:  # inside, the children run on nn.Module's fast path, hook-free
+            guard.lift()
+        d["_running"] = 1
         try:
             return target(*args, **kwargs)
         finally:
-            d["_running"] -= 1
-            if guards and not d["_running"]:
-                for guard in guards:
-                    guard.restore()
+            d["_running"] = 0
+            for guard in d["_guards"]:
+                guard.restore()
 
     @property
     def module(self) -> nn.Module:
@@ -157,6 +162,8 @@ class FabricModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name.startswith("__") and name.endswith("__"):  # the wrapper's own protocol (`__deepcopy__` of a
+                raise  # sharded original would copy the original, not this wrapper)
             return getattr(self._original_module, name)
 
     def state_dict(self, *args, **kwargs):
@@ -170,6 +177,15 @@ class FabricModule(nn.Module):
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self._original_module.named_buffers(prefix, recurse, remove_duplicate)
+
+
+def uncopyable(strategy: str) -> str:
+    """Why a module set up under `strategy`, which shards it or puts it in an engine in place, cannot be copied."""
+    return (f"A model set up under strategy={strategy!r} cannot be copied or pickled: the strategy changed it in place "
+            f"(its parameters are shards, or live in an engine, tied to this run's processes). For an EMA, teacher or "
+            f"snapshot model, copy the module before fabric.setup and set the copy up too, or keep an average of the "
+            f"set-up model's own parameters in place of a copy; for its weights, use fabric.save or "
+            f"model.state_dict().")
 
 
 class MarkedMethod:
@@ -217,21 +233,27 @@ class _SubmoduleGuard:
 
     def __init__(self, wrapper: FabricModule, name: str, child: nn.Module):
         self.wrapper, self.name = weakref.ref(wrapper), name  # the child must not keep the wrapper alive
-        self.handle = child.register_forward_pre_hook(self)
+        self.id = child.register_forward_pre_hook(self).id
         self.hooks = child._forward_pre_hooks
+
+    def __getstate__(self):  # a copy of the set-up module guards the copy's children for the copy
+        return {**self.__dict__, "wrapper": self.wrapper()}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, wrapper=weakref.ref(state["wrapper"]))
 
     def lift(self) -> None:
         """Out of the child's hooks while the wrapper's forward runs (a hook, even one that returns at once,
         takes nn.Module's slow call path)."""
-        self.hooks.pop(self.handle.id, None)
+        self.hooks.pop(self.id, None)
 
     def restore(self) -> None:
-        self.hooks[self.handle.id] = self
+        self.hooks[self.id] = self
 
     def __call__(self, module, args):
         wrapper = self.wrapper()
         if wrapper is None:  # the set-up module is gone; the original is a plain module again
-            self.handle.remove()
+            self.hooks.pop(self.id, None)
             return
         # allowed: without gradients, and in backward (activation checkpointing runs the child's forward again
         # there); inside the wrapper's forward the guard is lifted

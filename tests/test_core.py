@@ -43,6 +43,20 @@ class TwoHeads(nn.Module):
         return self.head(self.body(x))
 
 
+class Grouped(nn.Module):
+    """An encoder and a decoder grouped in one module, with a method to mark (the autoencoder's shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.decoder = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def encode(self, x):
+        return self.encoder(x)
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x))
+
+
 def run_pattern(pattern: str, fabric: Fabric | None):
     """Train one of the four patterns with plain PyTorch (fabric None) or through fabric."""
     setup = (lambda *a, **k: a if len(a) > 1 else a[0]) if fabric is None else fabric.setup
@@ -341,6 +355,31 @@ class TestPrecision:
                 copied.module.weight.zero_()
                 copied.module.bias.zero_()
             assert torch.equal(copied(x), torch.zeros(2, 4)) and model(x).abs().sum() > 0
+
+    @pytest.mark.parametrize("precision", ["32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"])
+    def test_a_copy_of_a_set_up_model_optimizer_and_loader_acts_on_itself(self, precision):
+        """A deep copy or pickle of the set-up model, its optimizer (steps through its own OptimizerStep, the
+        precision's scaler included) and its loader, taken together as an EMA or snapshot would be: the copy trains
+        its own weights on its own batches, its marked method runs its own weights, the original is untouched."""
+        fabric = Fabric(accelerator="cpu", precision=precision)
+        module = Grouped()
+        model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        model.mark_forward_method("encode")
+        loader = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4))
+        for copy_of in (copy.deepcopy, lambda obj: pickle.loads(pickle.dumps(obj))):
+            before = [p.detach().clone() for p in model.parameters()]
+            copied, copied_optimizer, copied_loader = copy_of((model, optimizer, loader))
+            (x,) = next(iter(copied_loader))
+            fabric.backward(copied(x).float().sum() * 1e-3)
+            copied_optimizer.step()
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            assert all(p.grad is None for p in model.parameters())
+            assert not torch.equal(before[0], copied.module.encoder.weight)
+            with torch.no_grad():
+                for p in copied.parameters():
+                    p.zero_()
+            assert (copied.encode(x) == 0).all() and (model.encode(x) != 0).any()
+            assert len(list(copied_loader)) == 2
 
     def test_16_mixed_steps_an_optimizer_whose_layers_are_all_frozen(self):
         """GradScaler.step asserts on an optimizer without gradients ("No inf checks were recorded"); core steps

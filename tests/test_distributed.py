@@ -1,7 +1,9 @@
 """core across processes (2 CPU processes over gloo): DDP, FSDP and DeepSpeed against one plain process
 on the full batch, save -> load -> continue, launching, and failing fast when a rank dies."""
+import copy
 import json
 import os
+import pickle
 import textwrap
 import time
 
@@ -127,6 +129,82 @@ def _frozen_module_setup(fabric):
     teacher = nn.Linear(4, 4).requires_grad_(False)
     wrapped = fabric.setup(teacher)
     return "not wrapped" if wrapped._forward_module is teacher else "wrapped"
+
+
+def _copies(fabric):
+    """Each rank copies its set-up model and optimizer (an EMA or teacher copy) and trains the copy on its own
+    input; the copy is a DDP model of its own."""
+    torch.manual_seed(0)
+    module = Grouped()
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    model.mark_forward_method("encode")
+    x, result = torch.randn(2, 4) + fabric.global_rank, {}
+    for way, copy_of in (("deepcopy", copy.deepcopy), ("pickle", lambda obj: pickle.loads(pickle.dumps(obj)))):
+        before = [p.detach().clone() for p in model.parameters()]
+        copied, copied_optimizer = copy_of((model, optimizer))
+        fabric.backward(copied(x).sum())
+        copied_optimizer.step()
+        weights = fabric.all_gather(copied.module.encoder.weight.detach())
+        try:
+            copied.encoder(x)
+            guarded = False
+        except RuntimeError as error:
+            guarded = "outside its distributed wrapper" in str(error)
+        with torch.no_grad():
+            for p in copied.parameters():
+                p.zero_()
+        result[way] = {
+            "original_untouched": all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            and all(p.grad is None for p in model.parameters()),
+            "copy_stepped": not torch.equal(before[0], weights[0]), "copy_synced": torch.equal(weights[0], weights[1]),
+            "encode_runs_the_copy": bool((copied.encode(x) == 0).all()), "children_guarded": guarded}
+    return result
+
+
+def test_copies_of_a_set_up_model_and_optimizer_act_on_themselves_under_ddp():
+    """copy.deepcopy and pickle of a DDP-set-up model and its optimizer: the copy steps its own weights, its
+    gradients are synchronised across the ranks, its marked method runs its own weights, and its children are
+    guarded for the copy; the original is untouched."""
+    result = compat.Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_copies)
+    for way in ("deepcopy", "pickle"):
+        assert result[way] == {"original_untouched": True, "copy_stepped": True, "copy_synced": True,
+                               "encode_runs_the_copy": True, "children_guarded": True}, way
+
+
+COPY_REFUSED = """
+import copy, json, pickle, sys
+import torch
+from torch import nn
+from core import Fabric
+fabric = Fabric(accelerator="cpu", strategy=sys.argv[1], devices=int(sys.argv[2]))
+fabric.launch()
+module = nn.Linear(4, 4)
+model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+refusals = []
+for copy_of in (copy.deepcopy, lambda obj: pickle.loads(pickle.dumps(obj))):
+    for obj in (model, optimizer):
+        try:
+            copy_of(obj)
+            refusals.append("copied")
+        except RuntimeError as error:
+            refusals.append(str(error))
+if fabric.is_global_zero:
+    open(sys.argv[3], "w").write(json.dumps(refusals))
+"""
+
+
+@pytest.mark.parametrize("strategy, devices", [("fsdp", 2), ("deepspeed_stage_2", 1)])
+def test_a_copy_of_a_model_its_strategy_changed_in_place_is_refused_with_what_to_do(tmp_path, strategy, devices):
+    """fsdp shards the model in place and DeepSpeed puts it in an engine: neither can copy it, so core refuses a
+    copy or pickle of the model, or of its optimizer (whose step holds the model), with what to do instead."""
+    script = tmp_path / "copy_refused.py"
+    script.write_text(COPY_REFUSED)
+    run([str(script), strategy, str(devices), str(tmp_path / "out.json")], timeout=300)
+    refusals = json.loads((tmp_path / "out.json").read_text())
+    assert len(refusals) == 4
+    for refusal in refusals:
+        assert refusal.startswith(f"A model set up under strategy={strategy!r} cannot be copied or pickled")
+        assert "copy the module before fabric.setup and set the copy up too" in refusal
 
 
 KILL_SCRIPT = """
