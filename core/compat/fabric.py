@@ -20,9 +20,33 @@ from core.compat import environment
 from core.compat.spawn import DDPSpawn, spawn
 from core.nested import map_nested
 from core.seed import seed_everything
+from core.shared import resolve, share
 from core.state import restore
 from core.strategies import STRATEGIES, DDP
 from core.wrappers import FabricModule
+
+class StepThenCallbacks:
+    """A set-up optimizer's step under the drop-in: core's step (an OptimizerStep), then each callback's
+    `on_after_optimizer_step`. An object, as core's step is, so that a copy of the optimizer steps the copy; the
+    Fabric (its callbacks, which may grow) is shared by a copy, not copied."""
+
+    def __init__(self, step, fabric: "Fabric"):
+        self.step, self.fabric = step, fabric
+
+    def __call__(self, closure=None):
+        output = self.step() if closure is None else self.step(closure)
+        for callback in self.fabric._callbacks:
+            hook = getattr(callback, "on_after_optimizer_step", None)
+            if callable(hook):
+                hook(strategy=self.fabric.strategy, optimizer=self.step.optimizer)
+        return output
+
+    def __getstate__(self):
+        return share(self.__dict__, "fabric")
+
+    def __setstate__(self, state):
+        self.__dict__.update(resolve(state, "fabric"))
+
 
 # Lightning's other names, for ported scripts (the training scripts' --strategy does not offer them)
 LIGHTNING_STRATEGIES = {
@@ -107,18 +131,7 @@ class Fabric(fabric.Fabric):
 
     def _step_function(self, optimizer, module: FabricModule):
         """core's step, then each callback's `on_after_optimizer_step(strategy=, optimizer=)` (Lightning's hook)."""
-        step, callbacks, strategy = super()._step_function(optimizer, module), self._callbacks, self._strategy
-        if not callbacks and not hasattr(module.module, "_fabric"):  # the list may grow: a LightningModule set up later
-            return step
-
-        def step_and_call(closure=None):
-            output = step() if closure is None else step(closure)
-            for callback in callbacks:
-                hook = getattr(callback, "on_after_optimizer_step", None)
-                if callable(hook):
-                    hook(strategy=strategy, optimizer=optimizer)
-            return output
-        return step_and_call
+        return StepThenCallbacks(super()._step_function(optimizer, module), self)
 
     def call(self, hook_name: str, *args, **kwargs) -> None:
         """Call `hook_name(*args, **kwargs)` on every callback that has it; keyword arguments a callback's
