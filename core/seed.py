@@ -17,13 +17,18 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     of a set-up loader seeds `random`, NumPy and torch from (torch's seed for that worker, its rank).
     `verbose=True` prints the seed (Lightning's default; core's is quiet)."""
     if seed is None:
-        seed = int(os.environ.get(SEED_VARIABLE, 0))
+        seed = os.environ.get(SEED_VARIABLE, "0")
+        if not seed.strip().lstrip("-").isdecimal():
+            raise CoreValueError(f"{SEED_VARIABLE}={seed!r} in the environment is not a whole number: set it to one "
+                                 f"(or unset it), or pass the seed to seed_everything.")
     if isinstance(seed, bool) or isinstance(seed, float) and not seed.is_integer():
         raise CoreTypeError(f"seed must be a whole number, got {seed!r}.")
     try:
         seed = int(seed)  # as Lightning: 42.0, a NumPy integer, "42", a one-element tensor
-    except (TypeError, ValueError):
+    except TypeError:
         raise CoreTypeError(f"seed must be a whole number, got {seed!r}.") from None
+    except ValueError:  # a string that is not a number: a ValueError, as int's (and Lightning's)
+        raise CoreValueError(f"seed must be a whole number, got {seed!r}.") from None
     if not 0 <= seed < 2**32:
         raise CoreValueError(f"seed must be in [0, 2**32), got {seed}.")
     # (the launcher's ranks and the loaders' workers read these two, as Lightning's do; nothing else is set)

@@ -564,8 +564,10 @@ def test_seed_everything_is_reproducible():
     a = torch.rand(3)
     seed_everything(7)
     assert torch.equal(a, torch.rand(3))
-    with pytest.raises(TypeError, match="seed must be a whole number"):
+    with pytest.raises(ValueError, match="seed must be a whole number"):
         seed_everything("seven")  # "7" is 7, as in Lightning (tests/test_fabric_conformance.py)
+    with pytest.raises(TypeError, match="seed must be a whole number"):
+        seed_everything(7.5)
 
 
 def test_import_core_does_not_import_heavy_optional_packages():

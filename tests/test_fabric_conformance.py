@@ -358,3 +358,41 @@ def test_an_optimizer_over_a_free_parameter_is_refused_with_the_fix():
         fabric.setup(model, torch.optim.Adam([*model.parameters(), log_alpha]))
     model.log_alpha = log_alpha  # the fix the message gives
     fabric.setup(model, torch.optim.Adam(model.parameters()))
+
+
+@pytest.mark.parametrize("seed, variable", [(2**32, None), (-1, None), ("abc", None), (None, "invalid"),
+                                            (None, str(2**40)), (None, "-3")])
+def test_seed_everything_refuses_a_seed_out_of_range_or_not_a_number(Fabric, seed, variable, monkeypatch):
+    """Out of [0, 2**32), or a string (passed, or in PL_GLOBAL_SEED) that is not a number: a ValueError, before
+    anything is seeded. The messages are each implementation's own."""
+    if variable is None:
+        monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    else:
+        monkeypatch.setenv("PL_GLOBAL_SEED", variable)
+    with pytest.raises(ValueError):
+        Fabric.seed_everything(seed)
+
+
+def test_a_spawn_strategy_needs_launch_with_a_function(Fabric):
+    """ddp_spawn starts its processes from `launch(fn)`: `launch()` without one is a TypeError, and a setup before
+    launch a RuntimeError; on one device it is an ordinary Fabric."""
+    with pytest.raises(TypeError):
+        Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch()
+    with pytest.raises(RuntimeError):
+        Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).setup(nn.Linear(2, 2))
+    single = Fabric(accelerator="cpu", strategy="ddp_spawn", devices=1)
+    assert single.world_size == 1
+
+
+def test_setup_dataloaders_refuses_what_is_not_a_loader_and_takes_at_least_one(Fabric):
+    fabric = Fabric(accelerator="cpu")
+    with pytest.raises(TypeError):
+        fabric.setup_dataloaders(range(4))
+    with pytest.raises(ValueError):
+        fabric.setup_dataloaders()
+
+
+def test_log_dict_converts_tensors_inside_nested_metrics(Fabric):
+    logger = RecordingLogger()
+    Fabric(accelerator="cpu", loggers=logger).log_dict({"loss": {"d": torch.tensor(0.5), "g": 2}}, step=1)
+    assert logger.rows == [({"loss": {"d": 0.5, "g": 2}}, 1)]

@@ -110,8 +110,8 @@ class Fabric(fabric.Fabric):
         if not isinstance(self._strategy, DDPSpawn) or self._launched:
             return super().launch(fn, *args, **kwargs)
         if fn is fabric._NO_FUNCTION:
-            raise ValueError(f"strategy={self._strategy.name!r} runs a function in new processes: call "
-                             f"fabric.launch(fn).")
+            raise TypeError(f"strategy={self._strategy.name!r} runs a function in new processes: call "
+                            f"fabric.launch(fn).")
         self._launched = True
         return spawn(fn, self._devices, self, args, kwargs)
 
