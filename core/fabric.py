@@ -88,6 +88,12 @@ class Fabric:
                                        scaled_only=type(self._strategy).backward is SingleDevice.backward
                                        and not self._strategy.backward_needs_module)
 
+    def __getstate__(self):  # a Fabric sent to new processes (the drop-in's ddp_spawn): weak sets do not pickle
+        return {**self.__dict__, "_set_up_modules": None, "_set_up_optimizers": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _set_up_modules=weakref.WeakSet(), _set_up_optimizers=weakref.WeakSet())
+
     # --- launching --------------------------------------------------------------------------------
     def launch(self, fn=_NO_FUNCTION, *args, **kwargs):
         """Start the processes of the run. With `fn`, run `fn(fabric, *args)` and return its result."""

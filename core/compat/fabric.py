@@ -8,14 +8,13 @@ ddp_find_unused_parameters_true, dp), `rank_zero_first`, `init_module` and `init
     from core.compat import Fabric          # where the script had `from lightning.fabric import Fabric`
 """
 import os
-import weakref
 from collections import ChainMap
 from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import nn
 
-from core import checkpoint, fabric, launcher, validation
+from core import checkpoint, fabric, validation
 from core.compat import environment
 from core.compat.spawn import DDPSpawn, spawn
 from core.nested import map_nested
@@ -87,18 +86,7 @@ class Fabric(fabric.Fabric):
         self._callbacks = _as_list(callbacks)
         self._loggers = _as_list(loggers)
         if environment.started_by_cli():  # `fabric run` started every process: connect them now, as Lightning does
-            if self._strategy.distributed:
-                self._start_distributed(launcher.start(self._devices, self._num_nodes))
-            self._launched = True
-
-    def __getstate__(self):  # ddp_spawn sends the Fabric to new processes; weak sets do not pickle
-        state = self.__dict__.copy()
-        state["_set_up_modules"] = state["_set_up_optimizers"] = None
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._set_up_modules, self._set_up_optimizers = weakref.WeakSet(), weakref.WeakSet()
+            fabric.Fabric.launch(self)  # core's launch: this class's refuses under `fabric run`
 
     def launch(self, fn=fabric._NO_FUNCTION, *args, **kwargs):
         """As core.Fabric.launch; under ddp_spawn (and ddp_fork, ddp_notebook), `fn` runs in new processes."""
@@ -107,13 +95,13 @@ class Fabric(fabric.Fabric):
         if environment.started_by_cli():
             raise RuntimeError("This script was started by `fabric run`, which started every process already; "
                                "remove the fabric.launch() call (or run the script with python instead).")
-        if not isinstance(self._strategy, DDPSpawn) or self._launched:
+        if not isinstance(self.strategy, DDPSpawn) or self._launched:
             return super().launch(fn, *args, **kwargs)
         if fn is fabric._NO_FUNCTION:
-            raise TypeError(f"strategy={self._strategy.name!r} runs a function in new processes: call "
+            raise TypeError(f"strategy={self.strategy.name!r} runs a function in new processes: call "
                             f"fabric.launch(fn).")
         self._launched = True
-        return spawn(fn, self._devices, self, args, kwargs)
+        return spawn(fn, self.world_size, self, args, kwargs)  # one node: its world is its devices
 
     # --- callbacks and a LightningModule's link ----------------------------------------------------
     def _after_setup(self, module: nn.Module, wrapped: FabricModule, optimizers: list | None) -> None:
@@ -172,10 +160,10 @@ class Fabric(fabric.Fabric):
         first = (self.local_rank if local else self.global_rank) == 0
         timeout = float(os.environ.get("CORE_RANK_ZERO_FIRST_TIMEOUT", 4 * 3600))  # a download may take hours
         if not first:
-            self._strategy.barrier(timeout)
+            self.strategy.barrier(timeout)
         yield
         if first:
-            self._strategy.barrier(timeout)
+            self.strategy.barrier(timeout)
 
     @property
     def accelerator(self) -> "Accelerator":
@@ -192,7 +180,7 @@ class Fabric(fabric.Fabric):
         state dict for which fn is True (Lightning's argument)."""
         def collected():
             out = self._collect(state)
-            return out if filter is None else _apply_filter(out, filter, self._strategy.name)
+            return out if filter is None else _apply_filter(out, filter, self.strategy.name)
         return self._save(path, collected, background)
 
     def load_raw(self, path, obj, strict: bool = True, weights_only: bool | None = None) -> None:
@@ -200,14 +188,14 @@ class Fabric(fabric.Fabric):
         module or optimizer, set up or not. `weights_only`: as for load."""
         with checkpoint.trusted(weights_only is False):
             raw = checkpoint.load_checkpoint(path, raw=True)
-        restore({"obj": raw}, {"obj": obj}, self._strategy, self._precision, self._module_of, path, strict,
+        restore({"obj": raw}, {"obj": obj}, self.strategy, self.strategy.precision, self._module_of, path, strict,
                            raw=True)
 
     @contextmanager
     def init_tensor(self):
         """Tensors created inside are created on this process's device and, under a true precision, in its
         dtype."""
-        with self.device, self._precision.init_context():
+        with self.device, self.strategy.precision.init_context():
             yield
 
     @contextmanager
@@ -217,10 +205,10 @@ class Fabric(fabric.Fabric):
         that a checkpoint will overwrite; under fsdp it creates them on the meta device, so that no rank
         holds the whole model: setup shards it, allocates each rank's shard and runs reset_parameters."""
         self._check_launched()
-        device = self._strategy.module_init_device(empty_init)
+        device = self.strategy.module_init_device(empty_init)
         with ExitStack() as stack:
             stack.enter_context(device)
-            stack.enter_context(self._precision.init_context())
+            stack.enter_context(self.strategy.precision.init_context())
             if empty_init and device.type != "meta":
                 stack.enter_context(SkipInit())
             yield

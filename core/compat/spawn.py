@@ -59,7 +59,7 @@ def _spawned(rank, fn, num_processes, port, threads, fabric, args, kwargs, queue
         queue.put(result)
     fabric.wait_for_save()  # os._exit below would end a background write mid-way
     fabric.barrier()
-    fabric._strategy.teardown()
+    fabric.strategy.teardown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
