@@ -1,9 +1,11 @@
 """Each workload's training step at its default sizes, plain (as its train_torch.py takes it) and through core (as its
 train.py does), on one process or under ddp: what a user pays per step, for benchmarks.overhead's workload rows.
 
-Both sides drive their own copies of the same initial weights, on the same batch at every step; data loading,
-schedulers, the EMA and bookkeeping are the same plain code in both scripts and are left out, so the ratio is of
-the training step alone. The GAN's sides are benchmarks/two_models.py's.
+Both sides drive their own copies of the same initial weights, on the same batch at every step, with the same
+DDP options as the scripts (the GAN's D keeps its BatchNorm buffers local on both). Schedulers, the EMA and
+bookkeeping are the same plain code in both scripts and are left out, and so is data loading, where train.py's
+set-up loader and its `no_backward_sync(..., enabled=False)` around each micro-batch are core's work too: the ratio
+is of the training step alone. The GAN's sides are benchmarks/two_models.py's.
 """
 import torch
 import torch.nn.functional as F
@@ -34,7 +36,7 @@ def gan(fabric, ddp: bool) -> dict:
 
     g, d, opt_g, opt_d = two_models._models()
     g, opt_g = fabric.setup(g, opt_g)
-    d, opt_d = fabric.setup(d, opt_d)
+    d, opt_d = fabric.setup(d, opt_d, **({"ddp": {"broadcast_buffers": False}} if ddp else {}))  # as gan/train.py
     return {"plain": plain, "core": two_models._wrapped_step(fabric, g, d, opt_g, opt_d, real, noise),
             "modules": {"plain": [generator, discriminator], "core": [g, d]}}
 

@@ -17,10 +17,12 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     of a set-up loader seeds `random`, NumPy and torch from (torch's seed for that worker, its rank).
     `verbose=True` prints the seed (Lightning's default; core's is quiet)."""
     if seed is None:
-        seed = os.environ.get(SEED_VARIABLE, "0")
-        if not seed.strip().lstrip("-").isdecimal():
-            raise CoreValueError(f"{SEED_VARIABLE}={seed!r} in the environment is not a whole number: set it to one "
-                                 f"(or unset it), or pass the seed to seed_everything.")
+        value = os.environ.get(SEED_VARIABLE, "0")
+        try:
+            seed = int(value)  # as int reads it: " 5" and "+5" too
+        except ValueError:
+            raise CoreValueError(f"{SEED_VARIABLE}={value!r} in the environment is not a whole number: set it to one "
+                                 f"(or unset it), or pass the seed to seed_everything.") from None
     if isinstance(seed, bool) or isinstance(seed, float) and not seed.is_integer():
         raise CoreTypeError(f"seed must be a whole number, got {seed!r}.")
     try:

@@ -55,6 +55,9 @@ class OptimizerStep:
         return self.strategy.optimizer_step(self.optimizer, self.module)
 
     def __getstate__(self):
+        refusal = self.module.__dict__.get("_uncopyable")  # before the optimizer and the module are copied
+        if refusal:
+            raise CoreRuntimeError(refusal)
         return share(self.__dict__, "strategy", "backward")
 
     def __setstate__(self, state):
@@ -95,6 +98,11 @@ class FabricModule(nn.Module):
         if self.__dict__.get("_uncopyable"):
             raise CoreRuntimeError(self.__dict__["_uncopyable"])
         return super().__getstate__()
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for guard in self.__dict__["_guards"]:  # the copy's guards (in its children's hooks) guard it
+            guard.wrapper = weakref.ref(self)
 
     def __setattr__(self, name: str, value) -> None:
         """`model.scale = 0.5` on a set-up module sets it on the original module, which its forward reads; an
@@ -195,17 +203,12 @@ class MarkedMethod:
     (`copy.deepcopy`, pickle) calls the copy's own method."""
 
     def __init__(self, wrapper: FabricModule, name: str):
-        self.wrapper = weakref.ref(wrapper)  # stored on the wrapper: a strong reference would be a cycle
-        self.name = name
-
-    def __getstate__(self):
-        return {"wrapper": self.wrapper(), "name": self.name}
-
-    def __setstate__(self, state):
-        self.wrapper, self.name = weakref.ref(state["wrapper"]), state["name"]
+        # a cycle (the wrapper holds it), freed with the wrapper by the garbage collector; a copy of the method
+        # alone holds the copy of its wrapper
+        self.wrapper, self.name = wrapper, name
 
     def __call__(self, *args, **kwargs):
-        wrapper = self.wrapper()
+        wrapper = self.wrapper
         original = wrapper._original_module
         method = getattr(original, self.name)
         own_forward = original.__dict__.get("forward")  # a forward set on the instance by its user
@@ -226,6 +229,10 @@ class MarkedMethod:
             put_back()
 
 
+def _dead():  # a guard's reference to a set-up module that is gone
+    return None
+
+
 class _SubmoduleGuard:
     """Forward pre-hook on a module wrapped for gradient sync and on each of its children (`name` None: the
     module itself): called outside the wrapper (`ae.encoder(x)`, or an unmarked method's `self(x)`) while
@@ -236,11 +243,14 @@ class _SubmoduleGuard:
         self.id = child.register_forward_pre_hook(self).id
         self.hooks = child._forward_pre_hooks
 
-    def __getstate__(self):  # a copy of the set-up module guards the copy's children for the copy
-        return {**self.__dict__, "wrapper": self.wrapper()}
+    def __getstate__(self):
+        """A copy is dead (it removes itself at its first call) unless a copy of its set-up module re-points it
+        (FabricModule.__setstate__): a copy of the original module alone (`copy.deepcopy(model.module)`, an EMA)
+        is a plain module, and copying it must not copy the wrapper."""
+        return {**self.__dict__, "wrapper": None}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, wrapper=weakref.ref(state["wrapper"]))
+        self.__dict__.update(state, wrapper=_dead)
 
     def lift(self) -> None:
         """Out of the child's hooks while the wrapper's forward runs (a hook, even one that returns at once,
@@ -323,13 +333,17 @@ class FabricOptimizer:
     def __reduce__(self):
         """Copied and pickled as its optimizer and step (both copied): its class is made at run time, and what
         else an instance holds (a step an LR scheduler patched in) is left behind, as torch's Optimizer leaves it."""
-        return wrap_optimizer, (self._optimizer, self._step)
+        return _rewrap, (self._step, self._optimizer)  # the step first: it refuses a copy before any is made
 
     def __repr__(self):
         return f"Fabric{self._optimizer!r}"
 
 
 _optimizer_classes: dict[type, type] = {}
+
+
+def _rewrap(step, optimizer: torch.optim.Optimizer) -> "FabricOptimizer":
+    return wrap_optimizer(optimizer, step)
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, step) -> FabricOptimizer:

@@ -80,9 +80,6 @@ def test_an_injected_slowdown_turns_the_verdict_to_no():
     assert paired.verdict(row["ratios"]["core"][row["clock"]]["interval"], overhead.target_of("32-true")) == "no"
 
 
-STORED_TARGET = 1.03  # the one target of every row when the stored overhead run was taken
-
-
 def test_scipys_bootstrap_and_trimmed_mean_give_the_stored_runs_their_verdicts():
     """paired.summarize is scipy's trim_mean and bootstrap now; on every row of the stored overhead run (1000
     rounds, 12-200 for ddp and the gan rows) it gives the same estimate, interval ends within a tenth of the
@@ -97,7 +94,8 @@ def test_scipys_bootstrap_and_trimmed_mean_give_the_stored_runs_their_verdicts()
                 width = before["interval"][1] - before["interval"][0]
                 assert all(abs(a - b) < 0.1 * width for a, b in zip(now["interval"], before["interval"])), \
                     (row["command"], side, clock, now["interval"], before["interval"])
-                verdicts = [paired.verdict(r["interval"], STORED_TARGET).split(" (")[0] for r in (now, before)]
+                target = overhead.target_of(row["path"])
+                verdicts = [paired.verdict(r["interval"], target).split(" (")[0] for r in (now, before)]
                 assert verdicts[0] == verdicts[1], (row["command"], side, clock, verdicts)  # (noise +-X% aside)
                 compared += 1
     assert compared >= 18

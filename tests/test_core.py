@@ -361,9 +361,11 @@ class TestPrecision:
         """A deep copy or pickle of the set-up model, its optimizer (steps through its own OptimizerStep, the
         precision's scaler included) and its loader, taken together as an EMA or snapshot would be: the copy trains
         its own weights on its own batches, its marked method runs its own weights, the original is untouched."""
+        torch.manual_seed(0)
         fabric = Fabric(accelerator="cpu", precision=precision)
         module = Grouped()
-        model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        # lr 10 on a loss scaled by 1e-3 (no float16 overflow): a step large enough to move bfloat16 weights
+        model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=10.0))
         model.mark_forward_method("encode")
         loader = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4))
         for copy_of in (copy.deepcopy, lambda obj: pickle.loads(pickle.dumps(obj))):
@@ -380,6 +382,7 @@ class TestPrecision:
                     p.zero_()
             assert (copied.encode(x) == 0).all() and (model.encode(x) != 0).any()
             assert len(list(copied_loader)) == 2
+            assert torch.equal(copy_of(model.encode)(x), model.encode(x))  # a marked method copied alone runs
 
     def test_16_mixed_steps_an_optimizer_whose_layers_are_all_frozen(self):
         """GradScaler.step asserts on an optimizer without gradients ("No inf checks were recorded"); core steps

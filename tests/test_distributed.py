@@ -153,22 +153,27 @@ def _copies(fabric):
         with torch.no_grad():
             for p in copied.parameters():
                 p.zero_()
+        plain = copy_of(model.module)  # the original module alone (an EMA of it): a plain module, unguarded
+        plain(x).sum().backward()
         result[way] = {
             "original_untouched": all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
             and all(p.grad is None for p in model.parameters()),
             "copy_stepped": not torch.equal(before[0], weights[0]), "copy_synced": torch.equal(weights[0], weights[1]),
-            "encode_runs_the_copy": bool((copied.encode(x) == 0).all()), "children_guarded": guarded}
+            "encode_runs_the_copy": bool((copied.encode(x) == 0).all()), "children_guarded": guarded,
+            "module_alone_plain": type(plain) is Grouped and plain.encoder.weight.grad is not None}
     return result
 
 
-def test_copies_of_a_set_up_model_and_optimizer_act_on_themselves_under_ddp():
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_copies_of_a_set_up_model_and_optimizer_act_on_themselves_under_ddp(precision):
     """copy.deepcopy and pickle of a DDP-set-up model and its optimizer: the copy steps its own weights, its
     gradients are synchronised across the ranks, its marked method runs its own weights, and its children are
-    guarded for the copy; the original is untouched."""
-    result = compat.Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_copies)
+    guarded for the copy; the original is untouched. A copy of the original module alone is a plain module."""
+    result = compat.Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2, precision=precision).launch(_copies)
     for way in ("deepcopy", "pickle"):
         assert result[way] == {"original_untouched": True, "copy_stepped": True, "copy_synced": True,
-                               "encode_runs_the_copy": True, "children_guarded": True}, way
+                               "encode_runs_the_copy": True, "children_guarded": True,
+                               "module_alone_plain": True}, way
 
 
 COPY_REFUSED = """

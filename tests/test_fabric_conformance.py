@@ -373,6 +373,11 @@ def test_seed_everything_refuses_a_seed_out_of_range_or_not_a_number(Fabric, see
         Fabric.seed_everything(seed)
 
 
+def test_seed_everything_reads_the_seed_variable_as_int_does(Fabric, monkeypatch):
+    monkeypatch.setenv("PL_GLOBAL_SEED", "+5")
+    assert Fabric.seed_everything() == 5
+
+
 def test_a_spawn_strategy_needs_launch_with_a_function(Fabric):
     """ddp_spawn starts its processes from `launch(fn)`: `launch()` without one is a TypeError, and a setup before
     launch a RuntimeError; on one device it is an ordinary Fabric."""
