@@ -103,6 +103,9 @@ class FabricModule(nn.Module):
         super().__setstate__(state)
         for guard in self.__dict__["_guards"]:  # the copy's guards (in its children's hooks) guard it
             guard.wrapper = weakref.ref(self)
+        for marked in self.__dict__.values():  # and its marked methods call it, without keeping it alive
+            if isinstance(marked, MarkedMethod):
+                marked.wrapper = weakref.ref(self)
 
     def __setattr__(self, name: str, value) -> None:
         """`model.scale = 0.5` on a set-up module sets it on the original module, which its forward reads; an
@@ -203,12 +206,20 @@ class MarkedMethod:
     (`copy.deepcopy`, pickle) calls the copy's own method."""
 
     def __init__(self, wrapper: FabricModule, name: str):
-        # a cycle (the wrapper holds it), freed with the wrapper by the garbage collector; a copy of the method
-        # alone holds the copy of its wrapper
-        self.wrapper, self.name = wrapper, name
+        self.wrapper = weakref.ref(wrapper)  # stored on the wrapper: a strong reference would be a cycle
+        self.name = name
+
+    def __getstate__(self):
+        return {"wrapper": self.wrapper(), "name": self.name}
+
+    def __setstate__(self, state):
+        # a copy of the method alone holds its copy of the wrapper; where the copy is its wrapper's own,
+        # FabricModule.__setstate__ makes the reference weak again
+        wrapper = state["wrapper"]
+        self.wrapper, self.name = (lambda: wrapper), state["name"]
 
     def __call__(self, *args, **kwargs):
-        wrapper = self.wrapper
+        wrapper = self.wrapper()
         original = wrapper._original_module
         method = getattr(original, self.name)
         own_forward = original.__dict__.get("forward")  # a forward set on the instance by its user
