@@ -66,8 +66,8 @@ ROWS = {  # path: (steps per block, rounds of a full run, of a quick one); a blo
     "gan ddp x2": (1, 60, 4), "autoencoder ddp x2": (2, 100, 6), "metalearn ddp x2": (20, 200, 10),
     "gan 16-mixed": (1, 12, 4), "gan deepspeed_stage_2": (1, 80, 20)}
 MLP_ROWS = ("32-true", "bf16-mixed", "16-mixed", "ddp x2")  # the 2-layer MLP; the others are workloads' steps
-# what a row may cost: the MLP's 0.1-0.2 ms step shows the few microseconds of core's one route per call; a
-# workload's step is what its user pays
+# what a row may cost: the MLP's sub-millisecond step shows the few microseconds of core's one route per
+# call; a workload's step is what its user pays
 TARGETS = {"mlp": 1.05, "workload": 1.01}
 # the clock each verdict is taken on (paired.CLOCKS), by what benchmarks/calibrate.py showed: CPU time of the
 # process; for ddp the training thread's of each rank, since gloo's own threads poll while a rank waits for the

@@ -43,6 +43,16 @@ def uncommitted() -> bool:
     return environment()["commit"].endswith("-dirty")
 
 
+def paste_into_readme(name: str) -> None:
+    """Put results/<name>.md between `<!-- name -->` and `<!-- /name -->` in benchmarks/README.md: the parts that
+    also run alone (machine, cadence, evaluation) have their section there, outside the tables run.py writes."""
+    readme = ROOT / "benchmarks" / "README.md"
+    text = readme.read_text()
+    start, end = f"<!-- {name} -->\n", f"<!-- /{name} -->\n"
+    i, j = text.index(start) + len(start), text.index(end)
+    readme.write_text(text[:i] + (RESULTS / f"{name}.md").read_text().strip() + "\n" + text[j:])
+
+
 def part_main(prog: str, description: str, run, argv=None) -> None:
     """The command line of one part run alone (`python -m benchmarks.cadence [--quick]`): `run(quick)` returns
     its markdown; a full run from uncommitted code is refused, since its results are committed."""
@@ -56,6 +66,10 @@ def part_main(prog: str, description: str, run, argv=None) -> None:
         parser.error("a full run writes the committed results, which must come from a commit: commit (or stash) "
                      "the changes first, or pass --quick")
     print(run(args.quick))
+    if not args.quick:
+        name = prog.rsplit(".", 1)[-1]
+        paste_into_readme(name)
+        print(f"Written: {RESULTS / (name + '.md')}, and its section in benchmarks/README.md")
 
 
 def spread(values: list[float]) -> dict:

@@ -20,7 +20,8 @@ import subprocess
 import sys
 
 from benchmarks import cadence, evaluation, machine, maml_speed, overhead, paired, parity
-from benchmarks.record import RESULTS, ROOT, environment, ratio_chart, results_dir, table, uncommitted, write
+from benchmarks.record import (RESULTS, ROOT, environment, paste_into_readme, ratio_chart, results_dir, table,
+                               uncommitted, write)
 from benchmarks.workloads import WORKLOADS
 
 PARTS = ("overhead", "maml", "machine", "parity", "checkpoint", "cadence", "evaluation", "quality")
@@ -77,7 +78,7 @@ def run_overhead(quick: bool) -> str:
                 "bootstrap interval], on CPU time (of the process; for ddp of the training thread, both ranks' "
                 "added up: gloo's own threads poll while a rank waits), and on wall time beside it. "
                 f"Verdict on the CPU interval against the row's target ({overhead.TARGETS['mlp']} for the MLP, whose "
-                f"0.1-0.2 ms step shows the few microseconds of core's one route per call; "
+                f"sub-millisecond step shows the few microseconds of core's one route per call; "
                 f"{overhead.TARGETS['workload']} for a workload's step, what its user pays): yes when it lies "
                 f"under, **no** over, "
                 "otherwise no verdict with the noise (+- half the interval); `benchmarks/results/calibration.md` "
@@ -550,6 +551,9 @@ def main(argv=None):
         parser.error(f"a full run rewrites the committed results, whose peer rows need "
                      f"{', '.join(missing_peers(parts))}: pip install -e '.[bench]', or pass --quick (writes "
                      f"results/quick/ only)")
+    if args.quick and parts == ["quality"]:  # a quick run leaves quality out: it would do nothing
+        parser.error("the quality part runs only in a full run (it trains each default command on 3 seeds); "
+                     "drop --quick, or choose other parts")
     workloads = None if args.workloads is None else args.workloads.split(",")
     if workloads is not None:
         if set(workloads) - set(WORKLOADS):
@@ -568,9 +572,12 @@ def main(argv=None):
             continue
         markdown = runs[part](args.quick)
         print(markdown)
-        # part by part, so a later failure loses none; the parts that also run alone are pasted by hand
-        if not args.quick and not args.no_readme and part not in ("machine", "cadence", "evaluation"):
-            update_readme({"maml_speed" if part == "maml" else part: markdown})
+        # part by part, so a later failure loses none; the parts that also run alone have sections of their own
+        if not args.quick and not args.no_readme:
+            if part in ("machine", "cadence", "evaluation"):
+                paste_into_readme(part)
+            else:
+                update_readme({"maml_speed" if part == "maml" else part: markdown})
     directory = results_dir(args.quick)
     written = sorted(p.name for p in directory.glob("*") if p.suffix in (".md", ".png"))
     print(f"Reports and charts: {directory}/ ({', '.join(written)})" +

@@ -257,8 +257,8 @@ def test_the_tables_live_in_the_benchmarks_readme_between_whole_marker_pairs():
 
 
 def test_the_hand_pasted_sections_are_the_results_files():
-    """machine, cadence and evaluation run alone and are pasted into benchmarks/README.md by hand: as they stand
-    in results/, so a figure there has one source."""
+    """machine, cadence and evaluation also run alone and have sections of their own in benchmarks/README.md
+    (record.paste_into_readme): as they stand in results/, so a figure there has one source."""
     text = (record.ROOT / "benchmarks" / "README.md").read_text()
     for name in ("machine", "cadence", "evaluation"):
         saved = (record.ROOT / "benchmarks" / "results" / f"{name}.md").read_text().strip()
@@ -532,3 +532,15 @@ def test_every_benchmark_command_answers_help(module):
     done = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--help"], cwd=record.ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() and not done.stderr.count("Traceback"), done.stderr[-2000:]
+
+
+def test_a_part_that_runs_alone_pastes_its_results_into_its_readme_section(results, tmp_path, monkeypatch):
+    """`python -m benchmarks.machine` (and cadence, evaluation, or run.py's full run of them) puts its results file
+    between its markers in benchmarks/README.md, leaving the rest of the page as it was."""
+    monkeypatch.setattr(record, "ROOT", tmp_path)
+    (tmp_path / "benchmarks").mkdir()
+    readme = tmp_path / "benchmarks" / "README.md"
+    readme.write_text("intro\n<!-- machine -->\nold table\n<!-- /machine -->\nafter\n")
+    (results / "machine.md").write_text("_commit abc_\n\nnew table\n")
+    record.paste_into_readme("machine")
+    assert readme.read_text() == "intro\n<!-- machine -->\n_commit abc_\n\nnew table\n<!-- /machine -->\nafter\n"
