@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from benchmarks.record import part_main, table, write
+from benchmarks.record import best_seconds, part_main, table, write
 
 WORKLOADS = ("gan", "autoencoder")
 OPTIMIZERS_PER_STEP = {"gan": 2, "autoencoder": 1}  # D's and G's step; the autoencoder's one
@@ -92,22 +92,6 @@ def _build(spec):
     if isinstance(spec, tuple):
         return tuple(_build(v) for v in spec)
     return spec
-
-
-def best_seconds(call, seconds: float = 0.1) -> float:
-    """One call's best time: a loop sized to about seconds / 5, timed 5 times, the fastest per call."""
-    call()
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds / 5:
-        call()
-        count += 1
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(count):
-            call()
-        best = min(best, (time.perf_counter() - start) / count)
-    return best
 
 
 def replayed_seconds(recorder: Recorder) -> dict:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-from benchmarks.record import spread
+from benchmarks.record import best_seconds, spread
 from metalearn.data import Sinusoid
 from metalearn.maml import MetaLearner
 from metalearn.model import MLP
@@ -170,18 +170,7 @@ def bmm_peak(tasks: int, points: int, width: int, seconds: float = 1.0) -> float
     (tasks, points, width) @ (tasks, width, width) bmm in a loop, the best of 5 timed runs."""
     a, b = torch.randn(tasks, points, width), torch.randn(tasks, width, width)
     out = torch.empty(tasks, points, width)
-    flops = 2.0 * tasks * points * width * width
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds / 5:  # warm up, and size a run to about seconds / 5
-        torch.bmm(a, b, out=out)
-        count += 1
-    best = 0.0
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(count):
-            torch.bmm(a, b, out=out)
-        best = max(best, count * flops / (time.perf_counter() - start))
-    return best
+    return 2.0 * tasks * points * width * width / best_seconds(lambda: torch.bmm(a, b, out=out), seconds)
 
 
 def setups() -> dict:

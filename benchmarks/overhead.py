@@ -91,7 +91,7 @@ def _sides(path: str, x, y) -> dict:
     if path.endswith(" 32-true"):
         from benchmarks import steps
         built = steps.WORKLOADS[path.split()[0]](Fabric(accelerator="cpu"), ddp=False)
-        return {"plain": built["plain"], "core": built["core"]}
+        return {"plain": built["plain"], "core": built["wrapped"]}
     if path.startswith("gan "):
         from benchmarks import two_models
         built = two_models.SIDES[path]()
@@ -228,7 +228,7 @@ def _ddp_rank(rank: int, path: str, rounds: int, steps: int, slowdown, calibrate
     else:
         from benchmarks import steps as workload_steps
         built = workload_steps.WORKLOADS[path.split()[0]](fabric, ddp=True)
-        sides = {"plain": built["plain"], "core": built["core"]}
+        sides = {"plain": built["plain"], "core": built["wrapped"]}
     if calibrate:
         sides, slowdown = _calibration_sides(sides)
     # the same seed: the same order of blocks on both ranks

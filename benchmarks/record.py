@@ -72,6 +72,22 @@ def part_main(prog: str, description: str, run, argv=None) -> None:
         print(f"Written: {RESULTS / (name + '.md')}, and its section in benchmarks/README.md")
 
 
+def best_seconds(call, seconds: float = 0.1) -> float:
+    """One call's best time: a loop sized to about seconds / 5, timed 5 times, the fastest per call."""
+    call()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds / 5:
+        call()
+        count += 1
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(count):
+            call()
+        best = min(best, (time.perf_counter() - start) / count)
+    return best
+
+
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 

@@ -37,8 +37,8 @@ def gan(fabric, ddp: bool) -> dict:
     g, d, opt_g, opt_d = two_models._models()
     g, opt_g = fabric.setup(g, opt_g)
     d, opt_d = fabric.setup(d, opt_d, **({"ddp": {"broadcast_buffers": False}} if ddp else {}))  # as gan/train.py
-    return {"plain": plain, "core": two_models._wrapped_step(fabric, g, d, opt_g, opt_d, real, noise),
-            "modules": {"plain": [generator, discriminator], "core": [g, d]}}
+    return {"plain": plain, "wrapped": two_models._wrapped_step(fabric, g, d, opt_g, opt_d, real, noise),
+            "modules": {"plain": [generator, discriminator], "wrapped": [g, d]}}
 
 
 def autoencoder(fabric, ddp: bool) -> dict:
@@ -60,7 +60,8 @@ def autoencoder(fabric, ddp: bool) -> dict:
     wrapped, wrapped_optimizer = fabric.setup(*built())
     plain, core = _plain_update(optimizer), _plain_update(wrapped_optimizer, fabric.backward)
     return {"plain": lambda: plain(F.mse_loss(model(images), images)),
-            "core": lambda: core(F.mse_loss(wrapped(images), images)), "modules": {"plain": [model], "core": [wrapped]}}
+            "wrapped": lambda: core(F.mse_loss(wrapped(images), images)),
+            "modules": {"plain": [model], "wrapped": [wrapped]}}
 
 
 def metalearn(fabric, ddp: bool) -> dict:
@@ -86,20 +87,14 @@ def metalearn(fabric, ddp: bool) -> dict:
     plain, core = _plain_update(optimizer), _plain_update(wrapped_optimizer, fabric.backward)
     scale = world / config.batch_size
     return {"plain": lambda: plain(learner(*share).sum() * scale),
-            "core": lambda: core(wrapped(*share).sum() * scale), "modules": {"plain": [learner], "core": [wrapped]}}
+            "wrapped": lambda: core(wrapped(*share).sum() * scale),
+            "modules": {"plain": [learner], "wrapped": [wrapped]}}
 
 
 WORKLOADS = {"gan": gan, "autoencoder": autoencoder, "metalearn": metalearn}
 
 
 def same_work(workload: str, steps: int = 2) -> float:
-    """The largest difference of any weight or buffer between the plain and the wrapped models after `steps` steps of
-    each, in 32-true on one process: 0 when both sides do the same arithmetic."""
+    """two_models.largest_difference of a workload's sides, in 32-true on one process."""
     from core import Fabric
-    built = WORKLOADS[workload](Fabric(accelerator="cpu"), ddp=False)
-    for _ in range(steps):
-        built["plain"]()
-        built["core"]()
-    pairs = zip(*(built["modules"][side] for side in ("plain", "core")))
-    return max((a - b).abs().max().item() for plain, core in pairs
-               for a, b in zip(plain.state_dict().values(), core.state_dict().values()) if a.is_floating_point())
+    return two_models.largest_difference(WORKLOADS[workload](Fabric(accelerator="cpu"), ddp=False), steps)

@@ -163,9 +163,12 @@ SIDES = {"gan 16-mixed": sixteen_mixed, "gan deepspeed_stage_2": deepspeed_stage
 
 
 def same_work(path: str, steps: int = 3) -> float:
-    """The largest difference of any weight or buffer between the plain and the wrapped models after `steps`
-    steps of each: 0 when both sides do the same arithmetic."""
-    built = SIDES[path]()
+    return largest_difference(SIDES[path](), steps)
+
+
+def largest_difference(built: dict, steps: int) -> float:
+    """The largest difference of any weight or buffer between the plain and the wrapped models of `built` after
+    `steps` steps of each: 0 when both sides do the same arithmetic."""
     for _ in range(steps):
         built["plain"]()
         built["wrapped"]()

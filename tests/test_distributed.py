@@ -13,6 +13,7 @@ from torch import nn
 
 from core import compat
 from tests.conftest import HANG, ROOT, run
+from tests.test_core import Grouped
 
 pytestmark = pytest.mark.multiprocess
 
@@ -73,18 +74,6 @@ def _spawned_step(fabric):
 def test_ddp_spawn_runs_a_function_and_returns_rank_zero_result():
     result = compat.Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_spawned_step)
     assert result == {"rank": 0, "synced": True, "sum": 1.0}
-
-
-class Grouped(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.encoder, self.decoder = nn.Linear(4, 2), nn.Linear(2, 4)
-
-    def encode(self, x):
-        return self.encoder(x)
-
-    def forward(self, x):
-        return self.decoder(self.encoder(x))
 
 
 def _submodule_calls(fabric):
