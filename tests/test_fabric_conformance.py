@@ -401,3 +401,4 @@ def test_log_dict_converts_tensors_inside_nested_metrics(Fabric):
     logger = RecordingLogger()
     Fabric(accelerator="cpu", loggers=logger).log_dict({"loss": {"d": torch.tensor(0.5), "g": 2}}, step=1)
     assert logger.rows == [({"loss": {"d": 0.5, "g": 2}}, 1)]
+    assert type(logger.rows[0][0]["loss"]["d"]) is float  # a number, not a tensor that compares equal to one
