@@ -17,3 +17,7 @@ class CoreTypeError(CoreError, TypeError):
 
 class CoreRuntimeError(CoreError, RuntimeError):
     """A call at a time or in a state where core cannot honour it."""
+
+
+class CheckpointError(CoreValueError):
+    """A checkpoint that cannot be used: missing, corrupt, foreign, unsafe, or not matching the run."""

@@ -7,33 +7,28 @@
     loader = fabric.setup_dataloaders(loader)
     fabric.backward(loss)
 """
-import sys
 import weakref
 from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
-from core import checkpoint, launcher, validation
-from core.checkpoint.background import BackgroundSaves, stage
-from core.errors import CoreRuntimeError, CoreTypeError, CoreValueError
-from core.nested import map_nested
+from core import launcher, validation
+from core.collectives import Collectives
+from core.errors import CoreRuntimeError, CoreValueError
+from core.loaders import setup_loader
+from core.optimizers import BackwardState, FabricOptimizer, OptimizerStep, wrap_optimizer
 from core.precision import make_precision
-from core.seed import WorkerSeeder, global_seed, seed_workers
-from core.state import collect, restore
+from core.state import Checkpoints
 from core.strategies import STRATEGIES, SingleDevice, make_strategy
-from core.loaders import FabricDataLoader, rebuild_loader, shard_loader
-from core.wrappers import (BackwardState, FabricModule, FabricOptimizer, OptimizerStep, compile_like, frozen_parameters,
-                           move_to, uncopyable, unwrap_compiled, wrap_optimizer)
+from core.wrappers import FabricModule, compile_like, frozen_parameters, uncopyable, unwrap_compiled
 
 
 _NO_FUNCTION = object()  # launch() without a function (None is refused, as Lightning refuses it)
-_DROP_IN = ("plugins", "callbacks", "loggers")  # Fabric() arguments of the Lightning drop-in, core.compat.Fabric
 
 
-class Fabric:
+class Fabric(Collectives):
     """Moves models to the device, applies precision, wraps them for a strategy and wraps their optimizers.
 
     Args:
@@ -58,10 +53,7 @@ class Fabric:
 
     def __init__(self, accelerator: str = "auto", strategy: str = "auto", devices="auto", num_nodes: int = 1,
                  precision="32-true", needs=(), **strategy_options):
-        drop_in = [name for name in _DROP_IN if name in strategy_options]
-        if drop_in:
-            raise CoreTypeError(f"Fabric({drop_in[0]}=...) is Lightning Fabric's, which core offers as a layer of its "
-                                f"own: `from core.compat import Fabric` takes it.")
+        validation.check_not_drop_in(strategy_options)
         accelerator, strategy, devices, num_nodes, env = validation.resolve_arguments(
             accelerator, strategy, devices, num_nodes, self.strategies)
         kind = validation.device_kind(accelerator)
@@ -81,18 +73,12 @@ class Fabric:
         self._module_of = {}  # id(wrapped optimizer) -> its FabricModule, for checkpoints and loss scaling
         self._optimizers_of = {}  # id(FabricModule) -> its wrapped optimizers
         self._modules = []  # FabricModules, in setup order
-        self._saves = BackgroundSaves()  # fabric.save(..., background=True)
+        self._checkpoints = Checkpoints(self._strategy, self._module_of)  # save and load
         # backward is loss.backward() when neither a loss scaler nor an engine is involved; where one is, a set-up
         # optimizer refuses to step on gradients that no fabric.backward made
         self._backward = BackwardState(required=self._strategy.backward_needs_module,
                                        scaled_only=type(self._strategy).backward is SingleDevice.backward
                                        and not self._strategy.backward_needs_module)
-
-    def __getstate__(self):  # a Fabric sent to new processes (the drop-in's ddp_spawn): weak sets do not pickle
-        return {**self.__dict__, "_set_up_modules": None, "_set_up_optimizers": None}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state, _set_up_modules=weakref.WeakSet(), _set_up_optimizers=weakref.WeakSet())
 
     # --- launching --------------------------------------------------------------------------------
     def launch(self, fn=_NO_FUNCTION, *args, **kwargs):
@@ -139,7 +125,7 @@ class Fabric:
         module, compiled = unwrap_compiled(module)
         module = self._prepare(module, move_to_device)
         forward_module, optimizers = self._strategy.setup_module_and_optimizers(
-            module, list(optimizers), **self._module_options(module_options))
+            module, list(optimizers), **validation.module_options(module_options, self._strategy))
         wrapped = self._register_module(forward_module, module, compiled)
         wrapped_optimizers = [self._register_optimizer(opt, wrapped) for opt in optimizers]
         self._after_setup(module, wrapped, wrapped_optimizers)
@@ -153,7 +139,7 @@ class Fabric:
         validation.check_module(module, self._set_up_modules, self._strategy)
         module, compiled = unwrap_compiled(module)
         module = self._prepare(module, move_to_device)
-        wrapped = self._register_module(self._strategy.setup_module(module, **self._module_options(module_options)),
+        wrapped = self._register_module(self._strategy.setup_module(module, **validation.module_options(module_options, self._strategy)),
                                         module, compiled)
         self._after_setup(module, wrapped, None)
         return wrapped
@@ -164,14 +150,6 @@ class Fabric:
                                    f"optimizer(s) independently: model and optimizers must be set up jointly. Use "
                                    f"`fabric.setup(model, *optimizers)`.")
 
-    def _module_options(self, options: dict) -> dict:
-        unknown = set(options) - {"ddp", "fsdp"}
-        if unknown:
-            raise CoreTypeError(
-                f"Unknown setup arguments {sorted(unknown)}: per-module options are passed by strategy, "
-                f"as ddp={{...}} or fsdp={{...}}.")
-        return dict(options.get(self._strategy.options_key, {}))
-
     def setup_optimizers(self, *optimizers):
         """Wrap optimizers built from the parameters of modules returned by setup_module."""
         self._check_split_setup()
@@ -180,7 +158,7 @@ class Fabric:
         validation.check_optimizers(optimizers, self._set_up_optimizers, self._strategy)
         wrapped = []
         for opt in optimizers:
-            owner = self._owner_module(opt)
+            owner = validation.owner_module(opt, self._modules)
             validation.check_ownership(owner.module, [opt])
             self._strategy.check_optimizer(opt, owner)
             wrapped.append(self._register_optimizer(opt, owner))
@@ -193,32 +171,10 @@ class Fabric:
         if not dataloaders:
             raise CoreValueError("`setup_dataloaders` requires at least one dataloader.")
         self._check_launched()
-        wrapped = []
-        for loader in dataloaders:
-            if isinstance(loader, FabricDataLoader):
-                raise CoreValueError("A dataloader should be passed only once to the `setup_dataloaders` method.")
-            if not isinstance(loader, DataLoader):
-                raise CoreTypeError(f"setup_dataloaders takes torch DataLoaders, got {type(loader).__name__}.")
-            if use_distributed_sampler and self.world_size > 1:
-                loader = shard_loader(loader, self.world_size, self.global_rank, global_seed())
-            if seed_workers() and loader.num_workers > 0 and not isinstance(loader.worker_init_fn, WorkerSeeder):
-                loader = rebuild_loader(loader, worker_init_fn=WorkerSeeder(self.global_rank, loader.worker_init_fn))
-            move = self.to_device if move_to_device and self.device.type != "cpu" else None
-            wrapped.append(FabricDataLoader(loader, move))
+        move = self.to_device if move_to_device and self.device.type != "cpu" else None
+        wrapped = [setup_loader(loader, self.world_size, self.global_rank, use_distributed_sampler, move)
+                   for loader in dataloaders]
         return wrapped[0] if len(wrapped) == 1 else wrapped
-
-    def _owner_module(self, optimizer) -> FabricModule:
-        params = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for wrapped in self._modules:
-            if params & {id(p) for p in wrapped.parameters()}:
-                return wrapped
-        raise CoreValueError(
-            f"{type(optimizer).__name__} updates no parameter of any module returned by setup_module (under fsdp, "
-            f"an optimizer built before setup_module holds the unsharded parameters), and core needs that module: "
-            f"checkpoints name the optimizer's state by its parameter names. Create the optimizer after "
-            f"setup_module, from the returned module's parameters: `model = fabric.setup_module(model); optimizer "
-            f"= Adam(model.parameters())`, or set both up together: `fabric.setup(model, optimizer)`. A free "
-            f"nn.Parameter belongs on a model too: `model.log_alpha = nn.Parameter(...)` before setup.")
 
     def _prepare(self, module: nn.Module, move_to_device: bool) -> nn.Module:
         self._set_up_modules.add(module)
@@ -232,10 +188,7 @@ class Fabric:
         the wrapper is compiled again with the same settings (the module itself, where nothing wraps it)."""
         guard = self._strategy.guard_submodules and forward_module is not module
         if compiled is not None:
-            if not self._strategy.moves_module:
-                raise CoreValueError(f"strategy={self._strategy.name!r} runs the module inside its engine, which "
-                                     f"torch.compile cannot wrap from outside; set up the uncompiled module.")
-            forward_module = compiled if forward_module is module else compile_like(forward_module, compiled)
+            forward_module = compile_like(forward_module, module, compiled, self._strategy)
         wrapped = FabricModule(forward_module, module, self._precision, guard=guard,
                                uncopyable=uncopyable(self._strategy.name) if self._strategy.changes_module else None)
         shares = self._strategy.parameter_shares()
@@ -256,7 +209,7 @@ class Fabric:
 
     def _step_function(self, optimizer, module: FabricModule):
         """What the set-up optimizer's `step(closure)` calls: the strategy's step, after the check that
-        fabric.backward ran (an object, so that copies of the optimizer step themselves: wrappers.OptimizerStep)."""
+        fabric.backward ran (an object, so that copies of the optimizer step themselves: optimizers.OptimizerStep)."""
         return OptimizerStep(optimizer, module, self._strategy, self._backward)
 
     def _after_setup(self, module: nn.Module, wrapped: FabricModule, optimizers: list | None) -> None:
@@ -313,9 +266,7 @@ class Fabric:
     @contextmanager
     def no_backward_sync(self, *modules: FabricModule, enabled: bool = True):
         """Skip gradient synchronisation of these modules (gradient accumulation)."""
-        for m in modules:
-            if not isinstance(m, FabricModule):
-                raise CoreTypeError(f"no_backward_sync takes modules returned by setup, got {type(m).__name__}.")
+        validation.check_set_up_modules(modules, "no_backward_sync")
         with ExitStack() as stack:
             if enabled:
                 for m in modules:
@@ -326,9 +277,7 @@ class Fabric:
     def frozen(self, *modules: FabricModule):
         """Run set-up modules as fixed functions: no gradients for their parameters and no gradient sync.
         Gradients still flow through them to their inputs (the generator step of a GAN)."""
-        for m in modules:
-            if not isinstance(m, FabricModule):
-                raise CoreTypeError(f"frozen takes modules returned by setup, got {type(m).__name__}.")
+        validation.check_set_up_modules(modules, "frozen")
         for m in modules:
             m.__dict__["_frozen"] = True
         try:
@@ -338,89 +287,17 @@ class Fabric:
             for m in modules:
                 m.__dict__["_frozen"] = False
 
-    # --- collectives and rank information ----------------------------------------------------------
-    def to_device(self, obj):
-        """Move tensors and modules, also inside lists, tuples and dicts, to this process's device."""
-        return move_to(obj, self.device)
-
-    def print(self, *args, **kwargs) -> None:
-        if self.is_global_zero:
-            print(*args, **kwargs)
-
-    def barrier(self, name: str | None = None) -> None:
-        """All processes meet here. `name` (Lightning's argument) is only a label."""
-        self._strategy.barrier()
-
-    def broadcast(self, obj, src: int = 0):
-        return self._strategy.broadcast(obj, src)
-
-    def all_reduce(self, data, group=None, reduce_op="mean"):
-        """Reduce a tensor, a number, or every tensor and number inside lists, tuples and dicts, across
-        processes: reduce_op "mean" (or "avg"), "sum", "max", "min", "product", or a torch ReduceOp."""
-        op = validation.reduce_op(reduce_op)
-        return map_nested(self._tensors_on_device(data), lambda t: self._strategy.all_reduce(t, op, group))
-
-    def all_gather(self, data, group=None, sync_grads: bool = False):
-        """Gather a tensor (or every tensor in a collection) from every process: shape (world_size, *shape);
-        on one process the data as it is. `sync_grads=True` lets gradients flow back through the gather."""
-        return map_nested(self._tensors_on_device(data), lambda t: self._strategy.all_gather(t, group, sync_grads))
-
-    def _tensors_on_device(self, data):
-        return map_nested(data, lambda leaf: leaf.to(self.device) if isinstance(leaf, torch.Tensor) else
-                          torch.as_tensor(leaf, device=self.device) if isinstance(leaf, (int, float)) else leaf)
-
-    @property
-    def device(self) -> torch.device:
-        return self._strategy.device
-
-    @property
-    def global_rank(self) -> int:
-        return self._strategy.global_rank
-
-    @property
-    def local_rank(self) -> int:
-        return self._strategy.local_rank
-
-    @property
-    def node_rank(self) -> int:
-        return self._strategy.node_rank
-
-    @property
-    def world_size(self) -> int:
-        return self._strategy.world_size
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.global_rank == 0
-
-    @property
-    def strategy(self):
-        return self._strategy
-
-    # --- checkpoints -------------------------------------------------------------------------------
+    # --- checkpoints (core/state.py) ---------------------------------------------------------------
     def save(self, path, state: dict, background: bool = False) -> Future | None:
         """Save set-up modules, optimizers and plain values (numbers, strings, tensors, containers) in
         one checkpoint, atomically. Every process must call it. `background=True`: return once the state is
         copied, with a Future of the write, which goes on in a thread (core/checkpoint/background.py); the next
         save or load, or `wait_for_save()`, waits for it first and raises what it raised."""
-        return self._save(path, lambda: self._collect(state), background)
-
-    def _save(self, path, collected, background: bool) -> Future | None:
-        """save() of what `collected()` gives (the drop-in filters it first)."""
-        self._saves.wait()
-        if not background:
-            self._strategy.save_checkpoint(path, collected())
-            return None
-        group = self._strategy.background_group()  # (DeepSpeed refuses here)
-        return self._saves.start(path, self._strategy.save_checkpoint, stage(collected()), group,
-                                 self._strategy.device)
+        return self._checkpoints.save(path, state, background)
 
     def wait_for_save(self) -> None:
         """Wait for the background save running, if any, and raise what it raised (every rank together)."""
-        self._saves.wait()
-
-    def _collect(self, state: dict) -> dict:
-        return collect(state, self._strategy, self._precision, self._module_of)
+        self._checkpoints.saves.wait()
 
     def load(self, path, state: dict | None = None, strict: bool = True, weights_only: bool | None = None) -> dict:
         """Restore `state`'s modules and optimizers in place, and its plain values; return what the
@@ -428,14 +305,4 @@ class Fabric:
         (core's or Lightning's) and any dict of state dicts saved with torch.save. Files are read with
         weights_only=True unless `weights_only=False` says the file is trusted (it may hold other pickled
         objects, an argparse.Namespace say, whose loading runs code from the file)."""
-        self._saves.wait()  # a background save of this path must be whole before it is read
-        held = None if state is None else (lambda: self._collect(state))
-        checkpoint.recover(path)  # a save of this path killed in its renames or its cleanup
-        note = self._strategy.verify_checkpoint(path)  # its bytes as they were saved, or refused
-        with checkpoint.trusted(weights_only is False):
-            saved = self._strategy.load_checkpoint(path, held)
-        if note and self.is_global_zero:  # (after the load: a file that fails to load says only that)
-            print(f"[core] {note}: loaded without checking its bytes.", file=sys.stderr, flush=True)
-        if state is None:
-            return saved
-        return restore(saved, state, self._strategy, self._precision, self._module_of, path, strict)
+        return self._checkpoints.load(path, state, strict, weights_only)

@@ -5,7 +5,8 @@ import inspect
 
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from core.errors import CoreValueError
+from core.errors import CoreTypeError, CoreValueError
+from core.seed import WorkerSeeder, global_seed, seed_workers
 
 
 class FabricDataLoader:
@@ -50,6 +51,20 @@ class FabricDataLoader:
         if name == "_loader":  # not set yet (an instance being unpickled): no recursion through __getattr__
             raise AttributeError(name)
         return getattr(self._loader, name)
+
+
+def setup_loader(loader, world_size: int, rank: int, shard: bool, move_batch) -> FabricDataLoader:
+    """What Fabric.setup_dataloaders returns for one loader: sharded across `world_size` processes (with `shard`),
+    its workers seeded (after seed_everything(workers=True)), its batches moved by `move_batch` (None: as they are)."""
+    if isinstance(loader, FabricDataLoader):
+        raise CoreValueError("A dataloader should be passed only once to the `setup_dataloaders` method.")
+    if not isinstance(loader, DataLoader):
+        raise CoreTypeError(f"setup_dataloaders takes torch DataLoaders, got {type(loader).__name__}.")
+    if shard and world_size > 1:
+        loader = shard_loader(loader, world_size, rank, global_seed())
+    if seed_workers() and loader.num_workers > 0 and not isinstance(loader.worker_init_fn, WorkerSeeder):
+        loader = rebuild_loader(loader, worker_init_fn=WorkerSeeder(rank, loader.worker_init_fn))
+    return FabricDataLoader(loader, move_batch)
 
 
 def epoch_samplers(loader: DataLoader) -> list:

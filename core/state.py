@@ -1,10 +1,16 @@
-"""Between a run's objects and the logical checkpoint (core/checkpoint): `collect` turns fabric.save's `state` into
-state dicts (set-up modules and optimizers as their strategy saves them), `restore` loads what fabric.load read
-back into them in place."""
+"""fabric.save and fabric.load: between a run's objects and the logical checkpoint (core/checkpoint). `collect`
+turns save's `state` into state dicts (set-up modules and optimizers as their strategy saves them), `restore` loads
+what load read back into them in place; `Checkpoints` is one Fabric's save and load around them."""
+import sys
+from concurrent.futures import Future
+
 import torch
 
+from core import checkpoint
 from core.checkpoint import CheckpointError, check_state_dict, named_optimizer_state
-from core.wrappers import FabricModule, FabricOptimizer
+from core.checkpoint.background import BackgroundSaves, stage
+from core.optimizers import FabricOptimizer
+from core.wrappers import FabricModule
 
 
 def collect(state: dict, strategy, precision, module_of: dict) -> dict:
@@ -56,3 +62,40 @@ def restore(saved: dict, state: dict, strategy, precision, module_of: dict, path
         else:
             state[key] = saved[key]
     return {key: value for key, value in saved.items() if key not in state}
+
+
+class Checkpoints:
+    """One Fabric's saves and loads, through its strategy: what `fabric.save`, `fabric.load` and
+    `fabric.wait_for_save` run. `module_of` maps id(wrapped optimizer) to the FabricModule it updates (the
+    Fabric's own dict: it grows with each setup)."""
+
+    def __init__(self, strategy, module_of: dict):
+        self.strategy, self.module_of = strategy, module_of
+        self.saves = BackgroundSaves()  # save(..., background=True)
+
+    def collect(self, state: dict) -> dict:
+        return collect(state, self.strategy, self.strategy.precision, self.module_of)
+
+    def save(self, path, state: dict, background: bool, edit=None) -> Future | None:
+        """`edit`: a function of the collected state that returns what is written (the drop-in's `filter`)."""
+        self.saves.wait()
+        collected = self.collect(state) if edit is None else edit(self.collect(state))
+        if not background:
+            self.strategy.save_checkpoint(path, collected)
+            return None
+        group = self.strategy.background_group()  # (DeepSpeed refuses here)
+        return self.saves.start(path, self.strategy.save_checkpoint, stage(collected), group, self.strategy.device)
+
+    def load(self, path, state: dict | None, strict: bool, weights_only: bool | None) -> dict:
+        self.saves.wait()  # a background save of this path must be whole before it is read
+        held = None if state is None else (lambda: self.collect(state))
+        checkpoint.recover(path)  # a save of this path killed in its renames or its cleanup
+        note = self.strategy.verify_checkpoint(path)  # its bytes as they were saved, or refused
+        with checkpoint.trusted(weights_only is False):
+            saved = self.strategy.load_checkpoint(path, held)
+        if note and self.strategy.global_rank == 0:  # (after the load: a file that fails to load says only that)
+            print(f"[core] {note}: loaded without checking its bytes.", file=sys.stderr, flush=True)
+        return saved if state is None else self.restore(saved, state, path, strict)
+
+    def restore(self, saved: dict, state: dict, path, strict: bool, raw: bool = False) -> dict:
+        return restore(saved, state, self.strategy, self.strategy.precision, self.module_of, path, strict, raw)

@@ -8,7 +8,8 @@ from torch import nn
 from core import launcher
 from core.errors import CoreRuntimeError, CoreTypeError, CoreValueError
 from core.strategies import STRATEGIES, check_installed
-from core.wrappers import FabricModule, FabricOptimizer
+from core.optimizers import FabricOptimizer
+from core.wrappers import FabricModule
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 
@@ -74,6 +75,27 @@ def check_ownership(module: nn.Module, optimizers) -> None:
                                  f"(`model.log_alpha = nn.Parameter(...)`).")
 
 
+def check_set_up_modules(modules, method: str) -> None:
+    for module in modules:
+        if not isinstance(module, FabricModule):
+            raise CoreTypeError(f"{method} takes modules returned by setup, got {type(module).__name__}.")
+
+
+def owner_module(optimizer, modules: list) -> FabricModule:
+    """The set-up module (of `modules`) whose parameters `optimizer` updates."""
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for wrapped in modules:
+        if params & {id(p) for p in wrapped.parameters()}:
+            return wrapped
+    raise CoreValueError(
+        f"{type(optimizer).__name__} updates no parameter of any module returned by setup_module (under fsdp, "
+        f"an optimizer built before setup_module holds the unsharded parameters), and core needs that module: "
+        f"checkpoints name the optimizer's state by its parameter names. Create the optimizer after "
+        f"setup_module, from the returned module's parameters: `model = fabric.setup_module(model); optimizer "
+        f"= Adam(model.parameters())`, or set both up together: `fabric.setup(model, optimizer)`. A free "
+        f"nn.Parameter belongs on a model too: `model.log_alpha = nn.Parameter(...)` before setup.")
+
+
 def module_of_loss(loss: torch.Tensor, modules: list) -> FabricModule:
     """The one set-up module whose trainable parameters this loss reaches, found in its autograd graph."""
     if len(modules) == 1:
@@ -129,23 +151,29 @@ def reduce_op(op):
     return "mean" if name == "mean" else getattr(dist.ReduceOp, name)
 
 
-def accepted_kwargs(method, kwargs: dict) -> dict:
-    """The part of `kwargs` that `method` takes (all of it when it takes **kwargs)."""
-    try:
-        parameters = inspect.signature(method).parameters.values()
-    except (ValueError, TypeError):  # a builtin or C method: its signature cannot be read, so it gets all of them
-        return kwargs
-    if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        return kwargs
-    names = {p.name for p in parameters}
-    return {key: value for key, value in kwargs.items() if key in names}
-
-
 def unknown_strategy(name, strategies) -> str:
     message = f"Unknown strategy {name!r}. Choose one of: {', '.join(['auto', *strategies])}."
     if name in ("ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true", "dp"):
         message += " Lightning's other names come with its drop-in: `from core.compat import Fabric`."
     return message
+
+
+def check_not_drop_in(strategy_options: dict) -> None:
+    """core.Fabric refuses the arguments only the Lightning drop-in takes, naming it."""
+    drop_in = [name for name in ("plugins", "callbacks", "loggers") if name in strategy_options]
+    if drop_in:
+        raise CoreTypeError(f"Fabric({drop_in[0]}=...) is Lightning Fabric's, which core offers as a layer of its "
+                            f"own: `from core.compat import Fabric` takes it.")
+
+
+def module_options(options: dict, strategy) -> dict:
+    """The per-module options of setup (`ddp={...}`, `fsdp={...}`) for the strategy that runs."""
+    unknown = set(options) - {"ddp", "fsdp"}
+    if unknown:
+        raise CoreTypeError(
+            f"Unknown setup arguments {sorted(unknown)}: per-module options are passed by strategy, "
+            f"as ddp={{...}} or fsdp={{...}}.")
+    return dict(options.get(strategy.options_key, {}))
 
 
 def resolve_arguments(accelerator, strategy, devices, num_nodes, strategies=STRATEGIES):

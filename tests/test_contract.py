@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from core import loaders, wrappers
+from core import loaders, optimizers
 from tests.conftest import ROOT, run
 from tests.contract import ONE_PROCESS, TWO_PROCESSES, run_cells
 
@@ -49,11 +49,11 @@ BUGS = {
     "frozen() thaws the layers its user froze": ("core/wrappers.py", [(
         "params = [p for m in modules for p in m.parameters() if p.requires_grad]",
         "params = [p for m in modules for p in m.parameters()]")], "single:32-true"),
-    "a second optimizer's step on one backward refused": ("core/wrappers.py", [
+    "a second optimizer's step on one backward refused": ("core/optimizers.py", [
         ("if backward.required and backward.count == self.seen:",
          "if backward.required and backward.count == backward.__dict__.get('stepped'):"),
         ("self.seen = backward.count\n", "self.seen = backward.stepped = backward.count\n")], "single:16-mixed"),
-    "a copy of an optimizer steps the original": ("core/wrappers.py", [(
+    "a copy of an optimizer steps the original": ("core/optimizers.py", [(
         'return share(self.__dict__, "strategy", "backward")',
         'return share(self.__dict__, "strategy", "backward", "optimizer")')], "single:32-true"),
     "a loss without model= goes to the first model": ("core/validation.py", [(
@@ -100,7 +100,7 @@ def test_the_generator_reports_a_bug_put_into_core_as_failed(tmp_path, bug):
 def test_a_program_that_hangs_a_rank_fails_within_its_bound_with_its_replay(tmp_path):
     """The program's Fabric(timeout=...) bounds its collectives inside the process group the run shares: rank 1
     never joins an all_reduce, and rank 0 stops after --timeout seconds, printing the program and its replay."""
-    core_with_a_bug(tmp_path, "core/fabric.py", [("        op = validation.reduce_op(reduce_op)\n",
+    core_with_a_bug(tmp_path, "core/collectives.py", [("        op = validation.reduce_op(reduce_op)\n",
                                                   "        op = validation.reduce_op(reduce_op)\n"
                                                   "        if self.global_rank == 1:\n"
                                                   "            __import__('time').sleep(3600)\n")])
@@ -115,7 +115,7 @@ def test_a_program_that_hangs_a_rank_fails_within_its_bound_with_its_replay(tmp_
 @pytest.mark.parametrize("break_core", ["zero_grad does nothing", "no set_epoch"])
 def test_the_comparison_sees_a_broken_core(monkeypatch, break_core):
     if break_core == "zero_grad does nothing":
-        monkeypatch.setattr(wrappers.FabricOptimizer, "zero_grad", lambda self, *args, **kwargs: None)
+        monkeypatch.setattr(optimizers.FabricOptimizer, "zero_grad", lambda self, *args, **kwargs: None)
     else:
         monkeypatch.setattr(loaders, "epoch_samplers", lambda loader: [])
     report = io.StringIO()

@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from core import CheckpointError, Fabric, launcher, seed_everything
 from core.loaders import FabricDataLoader
-from core.wrappers import FabricModule, move_to
+from core.nested import move_to
+from core.wrappers import FabricModule
 from tests.conftest import run
 
 

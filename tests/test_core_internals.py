@@ -122,6 +122,7 @@ def test_guard_leaves_with_its_wrapper():
 
     original = WithStep()
     model = guarded(original)
+    model.mark_forward_method("training_step")
     model.training_step(torch.randn(3, 4))
     del model
     original.body(torch.randn(3, 4))  # a plain module again, without waiting for the garbage collector

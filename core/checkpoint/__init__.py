@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from core.checkpoint.files import (FORMAT, MARKER, STATE, VERSION, CheckpointError, NoSpace, atomic_save,  # noqa: F401
-                                   clear_directory, indexed_optimizer_state, is_optimizer_entry, load_checkpoint,
-                                   named_optimizer_state, recover, replace_directory, save_checkpoint, save_file, staging,
-                                   stop_together_cleaned, trusted)
+                                   clear_directory, load_checkpoint, recover, replace_directory, save_checkpoint,
+                                   save_file, staging, stop_together_cleaned, trusted)
+from core.checkpoint.names import indexed_optimizer_state, is_optimizer_entry, named_optimizer_state  # noqa: F401
 
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from core.checkpoint import integrity, space
-from core.errors import CoreValueError
+from core.checkpoint.names import indexed_optimizer_state, is_optimizer_entry, named_optimizer_state
+from core.errors import CheckpointError, CoreValueError
 
 STATE = "state.pt"  # in a sharded or DeepSpeed checkpoint directory: everything that is not a tensor
 CREATED = ".created-by-rank-0"  # in a checkpoint directory being written: that every rank sees rank 0's folder
@@ -42,10 +43,6 @@ def trusted(allow: bool = True):
         yield
     finally:
         _weights_only.reset(token)
-
-
-class CheckpointError(CoreValueError):
-    """A checkpoint that cannot be used: missing, corrupt, foreign, unsafe, or not matching the run."""
 
 
 class NoSpace(CheckpointError):
@@ -238,51 +235,6 @@ def load_checkpoint(path, raw: bool = False) -> dict:
         raise CheckpointError(f"{path} was not written by core's Fabric.save (no {FORMAT!r} marker). Load it "
                               f"with torch.load and copy the tensors into your model yourself.")
     return data["state"]
-
-
-def named_optimizer_state(state: dict, groups: list[list[str]]) -> dict:
-    """`optimizer.state_dict()` keyed by parameter name instead of position (the layout of
-    torch.distributed.checkpoint: state {name: {...}}, param_groups with "params": [names]), so that it loads
-    under any strategy. `groups`: the names of the parameters of each of the optimizer's groups, in order."""
-    if all(isinstance(i, str) for group in state["param_groups"] for i in group["params"]):
-        return state
-    saved = [i for group in state["param_groups"] for i in group["params"]]
-    names = [name for group in groups for name in group]
-    if len(saved) != len(names):
-        raise CheckpointError(f"The checkpoint's optimizer state is for {len(saved)} parameters, the optimizer has "
-                              f"{len(names)}. Was it saved with another model or optimizer?")
-    name_of = dict(zip(saved, names))  # torch numbers the parameters in the order of their groups
-    return {"state": {name_of[i]: value for i, value in state["state"].items()},
-            "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
-                             for group in state["param_groups"]]}
-
-
-def indexed_optimizer_state(state: dict, groups: list[list[str]], frozen=frozenset()) -> dict:
-    """The inverse, as torch.optim's load_state_dict takes it: each name becomes the position of that
-    parameter in this optimizer (torch pairs saved and current parameters by position within a group).
-    `frozen`: names of weights that do not train here, which a saved group may lack (DeepSpeed's optimizer leaves
-    the weights its user froze out; they have no state)."""
-    if not all(isinstance(i, str) for group in state["param_groups"] for i in group["params"]):
-        return state
-    if len(state["param_groups"]) != len(groups):
-        raise CheckpointError(f"The checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this "
-                              f"one {len(groups)}. Build the optimizer with the groups of the run that saved it.")
-    index = {name: i for i, name in enumerate(name for group in groups for name in group)}
-    out_groups = []
-    for number, (saved, names) in enumerate(zip(state["param_groups"], groups)):
-        extra, missing = set(saved["params"]) - set(names), set(names) - set(saved["params"])
-        if extra or missing - set(frozen):  # only weights that do not train here may be missing
-            differ = sorted(extra | missing)
-            raise CheckpointError(f"The checkpoint's optimizer group {number} does not hold the parameters of this "
-                                  f"one (differing: {', '.join(differ[:5])}). Was it saved with another model?")
-        out_groups.append({**saved, "params": [index[name] for name in names]})
-    return {"state": {index[name]: value for name, value in state["state"].items() if name in index},
-            "param_groups": out_groups}
-
-
-def is_optimizer_entry(value) -> bool:
-    return isinstance(value, dict) and set(value) == {"optimizer", "scaler"} and \
-        isinstance(value["optimizer"], dict) and "param_groups" in value["optimizer"]
 
 
 def save_file(state: dict, path) -> None:

@@ -7,7 +7,9 @@ ddp_find_unused_parameters_true, dp), `rank_zero_first`, `init_module` and `init
 
     from core.compat import Fabric          # where the script had `from lightning.fabric import Fabric`
 """
+import inspect
 import os
+import weakref
 from collections import ChainMap
 from contextlib import ExitStack, contextmanager
 
@@ -20,9 +22,9 @@ from core.compat.spawn import DDPSpawn, spawn
 from core.nested import map_nested
 from core.seed import seed_everything
 from core.shared import resolve, share
-from core.state import restore
 from core.strategies import STRATEGIES, DDP
 from core.wrappers import FabricModule
+
 
 class StepThenCallbacks:
     """A set-up optimizer's step under the drop-in: core's step (an OptimizerStep), then each callback's
@@ -46,6 +48,13 @@ class StepThenCallbacks:
     def __setstate__(self, state):
         self.__dict__.update(resolve(state, "fabric"))
 
+
+class _WeakSet:  # what a pickled Fabric holds in place of each weak set (a class: it unpickles as itself)
+    pass
+
+
+_NO_FUNCTION = object()  # launch() without a function (None is refused, as Lightning refuses it)
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")  # a LightningModule's
 
 # Lightning's other names, for ported scripts (the training scripts' --strategy does not offer them)
 LIGHTNING_STRATEGIES = {
@@ -88,16 +97,22 @@ class Fabric(fabric.Fabric):
         if environment.started_by_cli():  # `fabric run` started every process: connect them now, as Lightning does
             fabric.Fabric.launch(self)  # core's launch: this class's refuses under `fabric run`
 
-    def launch(self, fn=fabric._NO_FUNCTION, *args, **kwargs):
+    def __getstate__(self):  # sent to ddp_spawn's processes: weak sets (of the set-up objects) do not pickle
+        return {key: _WeakSet if isinstance(value, weakref.WeakSet) else value for key, value in self.__dict__.items()}
+
+    def __setstate__(self, state):
+        self.__dict__.update({key: weakref.WeakSet() if value is _WeakSet else value for key, value in state.items()})
+
+    def launch(self, fn=_NO_FUNCTION, *args, **kwargs):
         """As core.Fabric.launch; under ddp_spawn (and ddp_fork, ddp_notebook), `fn` runs in new processes."""
-        if fn is not fabric._NO_FUNCTION:
+        if fn is not _NO_FUNCTION:
             validation.check_launch_function(fn, args, kwargs)
         if environment.started_by_cli():
             raise RuntimeError("This script was started by `fabric run`, which started every process already; "
                                "remove the fabric.launch() call (or run the script with python instead).")
         if not isinstance(self.strategy, DDPSpawn) or self._launched:
-            return super().launch(fn, *args, **kwargs)
-        if fn is fabric._NO_FUNCTION:
+            return super().launch(**kwargs) if fn is _NO_FUNCTION else super().launch(fn, *args, **kwargs)
+        if fn is _NO_FUNCTION:
             raise TypeError(f"strategy={self.strategy.name!r} runs a function in new processes: call "
                             f"fabric.launch(fn).")
         self._launched = True
@@ -105,9 +120,12 @@ class Fabric(fabric.Fabric):
 
     # --- callbacks and a LightningModule's link ----------------------------------------------------
     def _after_setup(self, module: nn.Module, wrapped: FabricModule, optimizers: list | None) -> None:
-        """As Lightning: a LightningModule learns its Fabric (its `self.fabric`, `self.log`, `self.logger` work)
-        and becomes a callback; after `setup` (not setup_module), every callback's `on_after_setup(fabric=,
-        module=)`."""
+        """As Lightning: a LightningModule's step methods run through the wrapper, as its forward does; it learns
+        its Fabric (its `self.fabric`, `self.log`, `self.logger` work) and becomes a callback; after `setup` (not
+        setup_module), every callback's `on_after_setup(fabric=, module=)`."""
+        for name in STEP_METHODS:
+            if callable(getattr(type(module), name, None)):
+                wrapped.mark_forward_method(name)
         if hasattr(module, "_fabric"):
             module._fabric = self
             if optimizers is not None:
@@ -130,7 +148,7 @@ class Fabric(fabric.Fabric):
                 continue
             if not callable(method):
                 raise TypeError(f"Callback {type(callback).__name__}.{hook_name} is not callable.")
-            method(*args, **validation.accepted_kwargs(method, kwargs))
+            method(*args, **_accepted_kwargs(method, kwargs))
 
     # --- loggers -----------------------------------------------------------------------------------
     @property
@@ -178,18 +196,15 @@ class Fabric(fabric.Fabric):
     def save(self, path, state: dict, filter: dict | None = None, background: bool = False):
         """As core.Fabric.save; `filter` ({key: fn(name, value) -> bool}) keeps only the entries of that key's
         state dict for which fn is True (Lightning's argument)."""
-        def collected():
-            out = self._collect(state)
-            return out if filter is None else _apply_filter(out, filter, self.strategy.name)
-        return self._save(path, collected, background)
+        edit = None if filter is None else (lambda collected: _apply_filter(collected, filter, self.strategy.name))
+        return self._checkpoints.save(path, state, background, edit)
 
     def load_raw(self, path, obj, strict: bool = True, weights_only: bool | None = None) -> None:
         """Load a bare state dict saved with `torch.save(module.state_dict())` (or an optimizer's) into a
         module or optimizer, set up or not. `weights_only`: as for load."""
         with checkpoint.trusted(weights_only is False):
             raw = checkpoint.load_checkpoint(path, raw=True)
-        restore({"obj": raw}, {"obj": obj}, self.strategy, self.strategy.precision, self._module_of, path, strict,
-                           raw=True)
+        self._checkpoints.restore({"obj": raw}, {"obj": obj}, path, strict, raw=True)
 
     @contextmanager
     def init_tensor(self):
@@ -278,3 +293,15 @@ def _number(value):
 
 def _as_list(items) -> list:
     return [] if items is None else list(items) if isinstance(items, (list, tuple)) else [items]
+
+
+def _accepted_kwargs(method, kwargs: dict) -> dict:
+    """The part of `kwargs` that `method` takes (all of it when it takes **kwargs)."""
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (ValueError, TypeError):  # a builtin or C method: its signature cannot be read, so it gets all of them
+        return kwargs
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return kwargs
+    names = {p.name for p in parameters}
+    return {key: value for key, value in kwargs.items() if key in names}

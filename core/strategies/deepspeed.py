@@ -38,6 +38,7 @@ from core.checkpoint import space
 from core.errors import CoreRuntimeError, CoreTypeError, CoreValueError
 from core.precision.engine import EnginePrecision
 from core.strategies.ddp import DDP
+from core.strategies.shares import Zero3Shares
 
 
 def import_deepspeed(strategy: str, device_type: str) -> None:
@@ -311,41 +312,6 @@ def _second_backward_refusal(stage: int, precision: str, contiguous_gradients: b
     if precision in ("16-mixed", "16-true"):
         return "the engine keeps its float16 loss scale to itself; use bf16-mixed or 32-true"
     return None
-
-
-class Zero3Shares:
-    """What each process holds of a ZeRO-3 module's parameters (common/ema.py's `parameter_shares`): a flat,
-    zero-padded slice `param.ds_tensor` of each one; the parameter itself is an empty placeholder."""
-
-    def __init__(self, all_gather, rank: int):
-        self.all_gather, self.rank = all_gather, rank
-
-    def local(self, param):
-        return param.ds_tensor if hasattr(param, "ds_tensor") else param
-
-    def full(self, param, local):
-        if not hasattr(param, "ds_tensor"):
-            return local
-        # (world, slice) -> the first numel elements, in the parameter's shape
-        return self.all_gather(local).reshape(-1)[:param.ds_numel].view(param.ds_shape)
-
-    def part(self, param, full):
-        if not hasattr(param, "ds_tensor"):
-            return full
-        size = param.ds_tensor.numel()  # this rank's slice of the flat tensor, zero-padded
-        flat = torch.nn.functional.pad(full.reshape(-1), (0, max(0, (self.rank + 1) * size - full.numel())))
-        return flat[self.rank * size:(self.rank + 1) * size]
-
-    def written(self, params: list) -> None:
-        # ZeRO-3 keeps parameters under its persistence threshold gathered between steps; re-gather them from
-        # the partitions just written, as its optimizer does after a step (a collective)
-        persistent = [p for p in params if getattr(p, "ds_persist", False)]
-        if persistent:
-            persistent[0].partition(persistent)
-            persistent[0].all_gather(persistent)
-
-    def finite(self, param) -> bool:
-        return bool(self.local(param).detach().isfinite().all())
 
 
 def _version() -> str:

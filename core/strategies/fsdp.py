@@ -17,6 +17,7 @@ from torch import nn
 
 from core.errors import CoreRuntimeError, CoreValueError
 from core.strategies.ddp import DDP
+from core.strategies.shares import ShardedParameters
 
 
 class FSDP(DDP):
@@ -201,28 +202,6 @@ class FSDP(DDP):
             return
         options = StateDictOptions(full_state_dict=not _sharded(state))
         set_optimizer_state_dict(wrapped_module.module, optimizer, state, options=options)
-
-
-class ShardedParameters:
-    """What each process holds of an FSDP2 module's parameters (common/ema.py's `parameter_shares`): DTensors,
-    which shard themselves, so code that copies them (the EMA) gets sharded copies as they are; only a check
-    of the values reads this process's shard directly (a DTensor's own reduction would be a collective)."""
-
-    def local(self, param):
-        return param
-
-    def full(self, param, local):
-        return local
-
-    def part(self, param, full):
-        return full
-
-    def written(self, params: list) -> None:
-        pass
-
-    def finite(self, param) -> bool:
-        local = param.to_local() if hasattr(param, "to_local") else param
-        return bool(local.detach().isfinite().all())
 
 
 def _sharded(tree) -> bool:
