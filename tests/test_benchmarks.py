@@ -133,7 +133,22 @@ def test_calibration_counts_verdicts_and_fails_a_row_that_cannot_tell_10_percent
     blunt = calibrate.summarize_row("ddp x2", runs, "cpu")
     assert not blunt["passed"] and blunt["sides"]["a/a"]["no"] == 1 and blunt["sides"]["a/a+10%"]["no"] == 1
     assert not blunt["resolves_target"]  # its A/A pair never reads yes
-    assert "| ddp x2 |  | cpu | 0 / 1 / 9 |" in calibrate.markdown([blunt], ["python -m benchmarks.overhead ddp x2"])
+    assert "| ddp x2 |  | cpu | 1.03 | 3%, 10% | 0 / 1 / 9 |" in calibrate.markdown([blunt], ["python -m benchmarks.overhead ddp x2"])
+
+
+def test_a_workload_row_is_calibrated_at_its_own_target_of_1_percent():
+    def run(aa, at_target, larger):
+        return {"spin_alone": {"a/a+1%": 0.01, "a/a+3%": 0.03}, "ratios": {
+            "a/a": {"cpu": {"ratio": sum(aa) / 2, "interval": aa}},
+            "a/a+1%": {"cpu": {"ratio": sum(at_target) / 2, "interval": at_target}},
+            "a/a+3%": {"cpu": {"ratio": sum(larger) / 2, "interval": larger}}}}
+    sharp = calibrate.summarize_row("metalearn 32-true", [run([0.996, 1.004], [1.006, 1.014], [1.026, 1.034])] * 5)
+    assert sharp["target"] == 1.01 and sharp["passed"] and sharp["resolves_target"]
+    assert sharp["sides"]["a/a+3%"]["no"] == 5 and sharp["detectable"] == pytest.approx(0.014)
+    # noise of +-2%: the 3% slowdown never reads no, so the row cannot be trusted to see a 1% overhead
+    wide = calibrate.summarize_row("gan ddp x2", [run([0.98, 1.02], [0.99, 1.03], [1.01, 1.05])] * 5, "cpu")
+    assert not wide["passed"] and not wide["resolves_target"]
+    assert "| gan ddp x2 |  | cpu | 1.01 | 1%, 3% | 0 / 0 / 5 |" in calibrate.markdown([wide], [])
 
 
 def test_maml_speed_checks_meta_gradients_first_at_both_setups():
@@ -474,8 +489,8 @@ def test_calibrating_some_rows_keeps_the_others_with_their_commit(results, monke
     monkeypatch.setattr(overhead, "run_row", run)
     calibrate.run(["ddp x2"], repeats=2)
     markdown = (results / "calibration.md").read_text()
-    assert "| 32-true | old1 | cpu | 2 / 0 / 0 |" in markdown and "| ddp x2 | " in markdown
-    assert "| thread | 2 / 0 / 0 | 2 / 0 / 0 | 0 / 2 / 0 |" in markdown
+    assert "| 32-true | old1 | cpu | 1.03 | 3%, 10% | 2 / 0 / 0 |" in markdown and "| ddp x2 | " in markdown
+    assert "| thread | 1.03 | 3%, 10% | 2 / 0 / 0 | 2 / 0 / 0 | 0 / 2 / 0 |" in markdown
     assert "python -m benchmarks.overhead 32-true --seed S --calibrate" in markdown
     rows = json.loads((results / "calibration.json").read_text())["rows"]
     assert [r["path"] for r in rows if "passed" in r] == ["32-true", "ddp x2"] and len(rows) == 2 + 1 + 2
