@@ -16,7 +16,7 @@ from torch import nn
 
 from core import launcher, validation
 from core.collectives import Collectives
-from core.errors import CoreRuntimeError, CoreValueError
+from core.errors import CoreRuntimeError, CoreTypeError, CoreValueError
 from core.loaders import setup_loader
 from core.optimizers import BackwardState, FabricOptimizer, OptimizerStep, wrap_optimizer
 from core.precision import make_precision
@@ -81,18 +81,22 @@ class Fabric(Collectives):
                                        and not self._strategy.backward_needs_module)
 
     # --- launching --------------------------------------------------------------------------------
-    def launch(self, fn=_NO_FUNCTION, *args, **kwargs):
-        """Start the processes of the run. With `fn`, run `fn(fabric, *args)` and return its result."""
-        if fn is not _NO_FUNCTION:
-            validation.check_launch_function(fn, args, kwargs)
+    def launch(self, function=_NO_FUNCTION, *args, **kwargs):
+        """Start the processes of the run. With `function`, run `function(fabric, *args, **kwargs)` and return its
+        result."""
+        if function is not _NO_FUNCTION:
+            validation.check_launch_function(function, args, kwargs)
+        elif kwargs:  # launch(fn=train) or a misspelt keyword: nothing would run it
+            raise CoreTypeError(f"fabric.launch() got the keyword arguments {sorted(kwargs)} but no function to pass "
+                                f"them to; pass the function first (or as function=): fabric.launch(train, **kwargs).")
         else:
-            fn = None
+            function = None
         if self._launched:
             raise CoreRuntimeError("fabric.launch() was called twice; call it once, at the start of the run.")
         if self._strategy.distributed:
             self._start_distributed(launcher.start(self._devices, self._num_nodes))
         self._launched = True
-        return fn(self, *args, **kwargs) if fn is not None else None
+        return function(self, *args, **kwargs) if function is not None else None
 
     def _start_distributed(self, env: dict) -> None:
         self._strategy.setup_environment(env)
@@ -139,8 +143,8 @@ class Fabric(Collectives):
         validation.check_module(module, self._set_up_modules, self._strategy)
         module, compiled = unwrap_compiled(module)
         module = self._prepare(module, move_to_device)
-        wrapped = self._register_module(self._strategy.setup_module(module, **validation.module_options(module_options, self._strategy)),
-                                        module, compiled)
+        options = validation.module_options(module_options, self._strategy)
+        wrapped = self._register_module(self._strategy.setup_module(module, **options), module, compiled)
         self._after_setup(module, wrapped, None)
         return wrapped
 

@@ -78,13 +78,14 @@ class Checkpoints:
 
     def save(self, path, state: dict, background: bool, edit=None) -> Future | None:
         """`edit`: a function of the collected state that returns what is written (the drop-in's `filter`)."""
+        def collected():
+            return self.collect(state) if edit is None else edit(self.collect(state))
         self.saves.wait()
-        collected = self.collect(state) if edit is None else edit(self.collect(state))
         if not background:
-            self.strategy.save_checkpoint(path, collected)
+            self.strategy.save_checkpoint(path, collected())
             return None
-        group = self.strategy.background_group()  # (DeepSpeed refuses here)
-        return self.saves.start(path, self.strategy.save_checkpoint, stage(collected), group, self.strategy.device)
+        group = self.strategy.background_group()  # (DeepSpeed refuses here, before anything is collected)
+        return self.saves.start(path, self.strategy.save_checkpoint, stage(collected()), group, self.strategy.device)
 
     def load(self, path, state: dict | None, strict: bool, weights_only: bool | None) -> dict:
         self.saves.wait()  # a background save of this path must be whole before it is read

@@ -149,6 +149,13 @@ def test_a_workload_row_is_calibrated_at_its_own_target_of_1_percent():
     wide = calibrate.summarize_row("gan ddp x2", [run([0.98, 1.02], [0.99, 1.03], [1.01, 1.05])] * 5, "cpu")
     assert not wide["passed"] and not wide["resolves_target"]
     assert "| gan ddp x2 |  | cpu | 1.01 | 1%, 3% | 0 / 0 / 5 |" in calibrate.markdown([wide], [])
+    # a row stored before the workload rows' own target keeps the calibration it ran: 3% and 10% at 1.03
+    old = calibrate.summarize_row("gan 16-mixed", [{"spin_alone": {"a/a+3%": 0.03, "a/a+10%": 0.1}, "ratios": {
+        "a/a": {"cpu": {"ratio": 1.0, "interval": [0.99, 1.01]}},
+        "a/a+3%": {"cpu": {"ratio": 1.03, "interval": [1.02, 1.04]}},
+        "a/a+10%": {"cpu": {"ratio": 1.1, "interval": [1.08, 1.12]}}}}] * 5)
+    assert old["target"] == 1.03 and old["passed"]
+    assert "| gan 16-mixed |  | cpu | 1.03 | 3%, 10% | 5 / 0 / 0 |" in calibrate.markdown([old, wide], [])
 
 
 def test_maml_speed_checks_meta_gradients_first_at_both_setups():

@@ -349,6 +349,14 @@ def test_launch_refuses_a_function_it_cannot_call_before_starting_anything(Fabri
         fabric.launch(lambda: None)  # takes no Fabric
 
 
+def test_launch_takes_its_function_by_keyword_and_refuses_keywords_without_one(Fabric):
+    """`launch(function=train)` is Lightning's keyword; keywords with no function to take them are a TypeError, not
+    a launch that runs nothing."""
+    assert Fabric(accelerator="cpu").launch(function=lambda fabric, x: x + 1, x=1) == 2
+    with pytest.raises(TypeError):
+        Fabric(accelerator="cpu").launch(fn=lambda fabric: 1)
+
+
 def test_an_optimizer_over_a_free_parameter_is_refused_with_the_fix():
     """A difference from Lightning, listed in docs/core.md: Lightning trains a free parameter (and under DDP lets
     its ranks drift apart); core refuses before the first step and says to register it on the model."""

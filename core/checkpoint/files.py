@@ -1,5 +1,5 @@
-"""Checkpoint files on disk: one atomic write, one safe read, the error they raise, and the one-file layout
-(save_file; the user's keys at the top, read back by load_checkpoint as the logical checkpoint).
+"""Checkpoint files on disk: one atomic write, one safe read (refusing with core.errors.CheckpointError), and the
+one-file layout (save_file; the user's keys at the top, read back by load_checkpoint as the logical checkpoint).
 
 A file is written to a temporary name beside the target, flushed to disk and renamed over it; a directory
 (sharded, DeepSpeed) is written to a temporary directory and renamed into place, the previous one moved aside

@@ -103,20 +103,20 @@ class Fabric(fabric.Fabric):
     def __setstate__(self, state):
         self.__dict__.update({key: weakref.WeakSet() if value is _WeakSet else value for key, value in state.items()})
 
-    def launch(self, fn=_NO_FUNCTION, *args, **kwargs):
-        """As core.Fabric.launch; under ddp_spawn (and ddp_fork, ddp_notebook), `fn` runs in new processes."""
-        if fn is not _NO_FUNCTION:
-            validation.check_launch_function(fn, args, kwargs)
+    def launch(self, function=_NO_FUNCTION, *args, **kwargs):
+        """As core.Fabric.launch; under ddp_spawn (and ddp_fork, ddp_notebook), `function` runs in new processes."""
+        if function is not _NO_FUNCTION:
+            validation.check_launch_function(function, args, kwargs)
         if environment.started_by_cli():
             raise RuntimeError("This script was started by `fabric run`, which started every process already; "
                                "remove the fabric.launch() call (or run the script with python instead).")
         if not isinstance(self.strategy, DDPSpawn) or self._launched:
-            return super().launch(**kwargs) if fn is _NO_FUNCTION else super().launch(fn, *args, **kwargs)
-        if fn is _NO_FUNCTION:
+            return super().launch(**kwargs) if function is _NO_FUNCTION else super().launch(function, *args, **kwargs)
+        if function is _NO_FUNCTION:
             raise TypeError(f"strategy={self.strategy.name!r} runs a function in new processes: call "
                             f"fabric.launch(fn).")
         self._launched = True
-        return spawn(fn, self.world_size, self, args, kwargs)  # one node: its world is its devices
+        return spawn(function, self.world_size, self, args, kwargs)  # one node: its world is its devices
 
     # --- callbacks and a LightningModule's link ----------------------------------------------------
     def _after_setup(self, module: nn.Module, wrapped: FabricModule, optimizers: list | None) -> None:
