@@ -352,3 +352,35 @@ def test_core_raises_its_own_errors():
                     raised.func.id in ("ValueError", "TypeError", "RuntimeError"):
                 bare.append(f"{path.relative_to(ROOT)}:{node.lineno} {raised.func.id}")
     assert not bare, f"raise core's own error (core.errors) instead: {bare}"
+
+
+# what of core's own protected names the Lightning drop-in may use: the extension points docs/core.md lists ("How
+# core is built", fabric.py); any other name of core's that starts with "_" is core's to change
+EXTENSION_POINTS = {"_after_setup", "_step_function", "_launched", "_check_launched", "_start_distributed",
+                    "_checkpoints"}
+
+
+def protected_names(tree) -> set[str]:
+    """The protected names a module defines: functions, classes, module variables, and attributes it sets."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {n for n in names if n.startswith("_") and not n.endswith("__")}
+
+
+def test_the_drop_in_reaches_core_only_through_public_names_and_its_extension_points():
+    core_files = [p for p in (ROOT / "core").rglob("*.py") if "compat" not in p.parts]
+    core_own = set().union(*(protected_names(ast.parse(p.read_text())) for p in core_files))
+    reached = []
+    for path in sorted((ROOT / "core" / "compat").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            used = [node.attr] if isinstance(node, ast.Attribute) else \
+                [alias.name for alias in node.names] if isinstance(node, ast.ImportFrom) else []
+            reached += [f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in used
+                        if name in core_own and name not in EXTENSION_POINTS]
+    assert not reached, f"the drop-in uses core's protected names beyond its extension points: {reached}"
