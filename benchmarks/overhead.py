@@ -206,9 +206,19 @@ def ddp_row(path: str, rounds: int, steps: int, slowdown, calibrate: bool, seed:
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_ddp_rank, args=(path, rounds, steps, slowdown, calibrate, seed, free_port(), queue),
-                       nprocs=2, start_method="spawn")
-    results = sorted((queue.get(), queue.get()), key=lambda r: r["rank"])
+    ranks = mp.start_processes(_ddp_rank, args=(path, rounds, steps, slowdown, calibrate, seed, free_port(), queue),
+                               nprocs=2, start_method="spawn", join=False)
+    # read each rank's result while the ranks run: a result larger than the pipe's buffer (a calibration's four
+    # sides over 400 rounds) blocks its rank's put until it is read, so joining first would wait forever
+    results = []
+    while len(results) < 2:
+        if not queue.empty():
+            results.append(queue.get())
+        elif ranks.join(timeout=1):  # both ended without a result (join raises where one failed)
+            raise RuntimeError(f"the ranks of {path!r} ended with {len(results)} result(s) of 2")
+    while not ranks.join():
+        pass
+    results.sort(key=lambda r: r["rank"])
     first, second = results[0]["result"], results[1]["result"]
     samples = {name: {"wall": first["samples"][name]["wall"],
                       **{clock: [a + b for a, b in zip(first["samples"][name][clock], second["samples"][name][clock])]
