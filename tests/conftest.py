@@ -10,6 +10,7 @@ import torch
 
 from common.resume import resolve_run
 from core.seed import SEED_VARIABLE, WORKERS_VARIABLE
+from tests.timings import Timings
 
 ROOT = Path(__file__).resolve().parent.parent
 # seconds: a deadline that catches a hang (a collective waits 30 minutes by default), never a busy machine; a test
@@ -19,10 +20,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--timings", type=Path, default=None, metavar="PATH",
+                     help="write every test's CPU and wall seconds here (default: timings.json in pytest's basetemp); "
+                          "python -m tests.timings PATH prints the top 20")
+
+
 def pytest_configure(config):
     """DeepSpeed compiles its shared-memory op with ninja on first use (a minute or more) into torch's extension
     cache: build it once here, before any test's clock starts. pytest-xdist's controller runs this before it
     starts its workers; a worker finds it built."""
+    config.pluginmanager.register(Timings(config.getoption("timings")), "suite-timings")
     if hasattr(config, "workerinput") or importlib.util.find_spec("deepspeed") is None:
         return
     cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
