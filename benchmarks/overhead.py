@@ -208,23 +208,32 @@ def ddp_row(path: str, rounds: int, steps: int, slowdown, calibrate: bool, seed:
     queue = mp.get_context("spawn").SimpleQueue()
     ranks = mp.start_processes(_ddp_rank, args=(path, rounds, steps, slowdown, calibrate, seed, free_port(), queue),
                                nprocs=2, start_method="spawn", join=False)
-    # read each rank's result while the ranks run: a result larger than the pipe's buffer (a calibration's four
-    # sides over 400 rounds) blocks its rank's put until it is read, so joining first would wait forever
-    results = []
-    while len(results) < 2:
-        if not queue.empty():
-            results.append(queue.get())
-        elif ranks.join(timeout=1):  # both ended without a result (join raises where one failed)
-            raise RuntimeError(f"the ranks of {path!r} ended with {len(results)} result(s) of 2")
-    while not ranks.join():
-        pass
-    results.sort(key=lambda r: r["rank"])
+    results = gather(queue, ranks, 2, path)
     first, second = results[0]["result"], results[1]["result"]
     samples = {name: {"wall": first["samples"][name]["wall"],
                       **{clock: [a + b for a, b in zip(first["samples"][name][clock], second["samples"][name][clock])]
                          for clock in ("cpu", "thread")}}
                for name in first["samples"]}
     return {**first, "samples": samples, "ratios": paired.ratios(samples, seed)}
+
+
+def gather(queue, ranks, expected: int, path: str) -> list[dict]:
+    """The ranks' results, read while they run, sorted by rank: a result larger than the pipe's buffer (a
+    calibration's four sides over 400 rounds) blocks its rank's put until it is read, so joining first would wait
+    forever. Ranks that put their results and exit between a look at the queue and the join have left them in the
+    queue: it is drained after the join before anything is missing."""
+    results = []
+    while len(results) < expected:
+        if not queue.empty():
+            results.append(queue.get())
+        elif ranks.join(timeout=1):  # all ended (join raises where one failed)
+            while not queue.empty() and len(results) < expected:
+                results.append(queue.get())
+            if len(results) < expected:
+                raise RuntimeError(f"the ranks of {path!r} ended with {len(results)} result(s) of {expected}")
+    while not ranks.join():
+        pass
+    return sorted(results, key=lambda r: r["rank"])
 
 
 def _ddp_rank(rank: int, path: str, rounds: int, steps: int, slowdown, calibrate: bool, seed: int, port: int,

@@ -46,6 +46,31 @@ def test_overhead_measures_every_path_in_interleaved_blocks(path):
     assert set(row["samples"]) <= {"plain", "core", "lightning"}
 
 
+def test_ddp_rows_keep_results_put_by_ranks_that_ended_between_a_look_and_the_join():
+    """The preemption a busy machine gives: both ranks put their results and exit after the parent found the queue
+    empty and before its join returned. Their results are in the queue; the row reads them instead of "ended with 0
+    result(s) of 2". Ranks that ended with nothing put are still refused."""
+    import queue as queues
+
+    class Ranks:  # both ranks have ended by the first join
+        def join(self, timeout=None):
+            return True
+
+    class LateQueue(queues.SimpleQueue):  # the results land while the parent is between empty() and join()
+        looks = 0
+
+        def empty(self):
+            self.looks += 1
+            return self.looks == 1 or super().empty()
+
+    late = LateQueue()
+    late.put({"rank": 1, "result": "b"})
+    late.put({"rank": 0, "result": "a"})
+    assert [r["result"] for r in overhead.gather(late, Ranks(), 2, "ddp x2")] == ["a", "b"]
+    with pytest.raises(RuntimeError, match="ended with 0 result"):
+        overhead.gather(queues.SimpleQueue(), Ranks(), 2, "ddp x2")
+
+
 @pytest.mark.parametrize("workload", list(steps.WORKLOADS))
 def test_a_workload_rows_plain_step_does_the_wrapped_steps_work(workload):
     """benchmarks/steps.py: after two steps of each side, every weight and buffer is bitwise the same (32-true, one
