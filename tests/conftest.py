@@ -49,6 +49,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def two_ranks():
+    """`two_ranks(family)`: this session's long-lived 2-rank group of that strategy family (tests/group.py),
+    started at its first case."""
+    from tests.group import FAMILIES, Group
+
+    groups = {}
+
+    def group(family: str) -> Group:
+        assert family in FAMILIES, f"a family of {FAMILIES}"
+        return groups.setdefault(family, Group(family))
+    yield group
+    for started in groups.values():
+        started.close()
+
+
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SUITE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))

@@ -99,9 +99,9 @@ def _submodule_calls(fabric):
             "names": [name for name, _ in model.named_parameters()], "device": str(model.device)}
 
 
-def test_ddp_reports_a_submodule_called_outside_the_wrapper():
+def test_ddp_reports_a_submodule_called_outside_the_wrapper(two_ranks):
     """...and the DDP-wrapped module still reads as the original: its hooks fire, its names are the original's."""
-    result = compat.Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_submodule_calls)
+    result = two_ranks("ddp").run(_submodule_calls, impl="compat")[0]
     assert "Submodule 'encoder' of the set-up Grouped was called outside its distributed wrapper" in result["direct"]
     assert result["encode_synced"]
     assert result["hook_calls"] == 1  # model(x) fires it; the marked encode() is not forward
@@ -109,8 +109,8 @@ def test_ddp_reports_a_submodule_called_outside_the_wrapper():
     assert result["device"] == "cpu"
 
 
-def test_module_without_trainable_parameters_is_not_wrapped_in_ddp():
-    result = compat.Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_frozen_module_setup)
+def test_module_without_trainable_parameters_is_not_wrapped_in_ddp(two_ranks):
+    result = two_ranks("ddp").run(_frozen_module_setup, impl="compat")[0]
     assert result == "not wrapped"
 
 
@@ -154,11 +154,11 @@ def _copies(fabric):
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_copies_of_a_set_up_model_and_optimizer_act_on_themselves_under_ddp(precision):
+def test_copies_of_a_set_up_model_and_optimizer_act_on_themselves_under_ddp(two_ranks, precision):
     """copy.deepcopy and pickle of a DDP-set-up model and its optimizer: the copy steps its own weights, its
     gradients are synchronised across the ranks, its marked method runs its own weights, and its children are
     guarded for the copy; the original is untouched. A copy of the original module alone is a plain module."""
-    result = compat.Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2, precision=precision).launch(_copies)
+    result = two_ranks("ddp").run(_copies, impl="compat", precision=precision)[0]
     for way in ("deepcopy", "pickle"):
         assert result[way] == {"original_untouched": True, "copy_stepped": True, "copy_synced": True,
                                "encode_runs_the_copy": True, "children_guarded": True,
@@ -262,9 +262,9 @@ def _sync_controls(fabric):
             "synced_equal": torch.equal(synced[0], synced[1]), "norm": float(norm)}
 
 
-def test_no_backward_sync_of_several_modules_and_clipping():
+def test_no_backward_sync_of_several_modules_and_clipping(two_ranks):
     """The ranks' inputs differ, so their local gradients differ until DDP all-reduces them."""
-    result = compat.Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_sync_controls)
+    result = two_ranks("ddp").run(_sync_controls, impl="compat")[0]
     assert result["world_size"] == 2
     assert result["unsynced_differ"] and result["synced_equal"] and result["norm"] > 1e-3
 
@@ -361,8 +361,8 @@ def _batch_sampler_orders(fabric):
     return orders
 
 
-def test_a_batch_samplers_distributed_sampler_gets_each_epoch_under_ddp():
-    orders = compat.Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(_batch_sampler_orders)
+def test_a_batch_samplers_distributed_sampler_gets_each_epoch_under_ddp(two_ranks):
+    orders = two_ranks("ddp").run(_batch_sampler_orders, impl="compat")[0]
     assert all(core_order == plain_order for core_order, plain_order in orders)
     assert orders[0][0] != orders[1][0]  # a new order each epoch
 

@@ -19,8 +19,9 @@ from core.loaders import ShardedSampler
 from tests.conftest import TORCHRUN, run
 
 
-def spawn(fn, *args, devices=2):
-    return Fabric(accelerator="cpu", strategy="ddp_spawn", devices=devices).launch(fn, *args)
+def spawn(two_ranks, fn, *args):
+    """`fn(fabric, *args)` under the drop-in's ddp on 2 ranks (the session's group, tests/group.py): rank 0's result."""
+    return two_ranks("ddp").run(fn, *args, impl="compat")[0]
 
 
 # --- construction ---------------------------------------------------------------------------------
@@ -277,8 +278,8 @@ def _samplers(fabric):
 
 
 @pytest.mark.multiprocess
-def test_custom_samplers_are_shared_out_under_ddp_and_the_seed_is_seed_everythings():
-    result = spawn(_samplers)
+def test_custom_samplers_are_shared_out_under_ddp_and_the_seed_is_seed_everythings(two_ranks):
+    result = spawn(two_ranks, _samplers)
     subset, weighted = result["subset"], result["weighted"]
     assert sorted(subset[0] + subset[1]) == list(range(0, 20, 2))  # each index once, across the two ranks
     assert len(weighted[0]) == len(weighted[1]) == 4
@@ -312,8 +313,8 @@ def _collectives(fabric, path):
 
 
 @pytest.mark.multiprocess
-def test_rank_zero_first_and_collectives_over_collections(tmp_path):
-    result = spawn(_collectives, str(tmp_path / "shared.txt"))
+def test_rank_zero_first_and_collectives_over_collections(tmp_path, two_ranks):
+    result = spawn(two_ranks, _collectives, str(tmp_path / "shared.txt"))
     assert result["first"]  # rank 1 found the file rank 0 wrote first
     assert list(csv.DictReader(open(tmp_path / "metrics.csv"))) == [{"step": "0", "rank": "0"}]
     assert result["mean"] == 1.5 and result["sum"] == [1, 10] and result["max"] == 2 and result["min"] == 1.0
@@ -337,8 +338,8 @@ def _step_methods(fabric):
 
 
 @pytest.mark.multiprocess
-def test_step_methods_go_through_the_ddp_wrapper():
-    assert spawn(_step_methods)
+def test_step_methods_go_through_the_ddp_wrapper(two_ranks):
+    assert spawn(two_ranks, _step_methods)
 
 
 # --- the same script on core and on Lightning ---------------------------------------------------------
@@ -409,8 +410,8 @@ def _compiled_under_ddp(fabric):
 
 
 @pytest.mark.multiprocess
-def test_a_compiled_module_under_ddp_compiles_the_ddp_wrapper():
-    result = spawn(_compiled_under_ddp)
+def test_a_compiled_module_under_ddp_compiles_the_ddp_wrapper(two_ranks):
+    result = spawn(two_ranks, _compiled_under_ddp)
     assert result == {"synced": True, "keys": ["encoder.weight", "encoder.bias", "decoder.weight", "decoder.bias"],
                       "compiled": "OptimizedModule", "inner": "DistributedDataParallel"}
 

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from types import SimpleNamespace
 
@@ -47,20 +46,14 @@ def assert_same_training(a, b, atol=1e-6, compare_losses=True):
 # Core's part: no_backward_sync under each strategy, with SGD. The ranks' data differ, so a rank that never
 # synchronised, synchronised every micro-batch into a doubled sum, or whose engine stepped early, ends with
 # other weights than one process taking both ranks' full batch.
-ACCUMULATION = textwrap.dedent("""
-    import json, sys
-    import torch
-    from torch import nn
-    from core import Fabric
-    from core.checkpoint import read
-
-    fabric = Fabric(accelerator="cpu", strategy=sys.argv[1], devices=int(sys.argv[2]))
-    fabric.launch()
+def accumulate(fabric, path: str) -> None:
+    """3 SGD steps of 2 micro-batches each, the first under no_backward_sync, the ranks' halves of 8 examples per
+    micro-batch; the whole model saved to `path`. A case of the long-lived group (tests/group.py) on 2 ranks."""
     torch.manual_seed(1)
     inputs, targets = torch.randn(3, 2, 8, 6), torch.randn(3, 2, 8, 1)  # (steps, micro-batches, examples, ...)
     mine = slice(fabric.global_rank * 8 // fabric.world_size, (fabric.global_rank + 1) * 8 // fabric.world_size)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
     for x, y in zip(inputs, targets):
         optimizer.zero_grad()
@@ -68,8 +61,7 @@ ACCUMULATION = textwrap.dedent("""
             with fabric.no_backward_sync(model, enabled=i == 0):
                 fabric.backward(((model(x[i, mine]) - y[i, mine]) ** 2).mean() / 2)
         optimizer.step()
-    fabric.save(sys.argv[3], {"model": model})
-""")
+    fabric.save(path, {"model": model})
 
 
 def reference_weights() -> dict:
@@ -86,22 +78,21 @@ def reference_weights() -> dict:
     return model.state_dict()
 
 
-@pytest.mark.parametrize("strategy, devices", [
-    ("single", 1),
-    pytest.param("ddp", 2, marks=pytest.mark.slow),
-    pytest.param("fsdp", 2, marks=pytest.mark.slow),
-    pytest.param("deepspeed_stage_1", 2, marks=pytest.mark.slow),
-    pytest.param("deepspeed_stage_2", 2, marks=pytest.mark.slow),
-    pytest.param("deepspeed_stage_3", 2, marks=pytest.mark.slow),
-])
-def test_micro_batches_under_no_backward_sync_equal_one_larger_batch(tmp_path, strategy, devices):
-    if strategy.startswith("deepspeed"):
-        pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
-    script = tmp_path / "accumulate.py"
-    script.write_text(ACCUMULATION)
-    run([str(script), strategy, str(devices), str(tmp_path / "model.ckpt")], timeout=400)
+@pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2",
+                                      "deepspeed_stage_3"])
+def test_micro_batches_under_no_backward_sync_equal_one_larger_batch(tmp_path, two_ranks, strategy):
+    """On one process in this one, on two in the session's group of the strategy's family."""
+    from core import Fabric
     from core.checkpoint import read
-    saved = read(tmp_path / "model.ckpt")["model"]
+
+    path = str(tmp_path / "model.ckpt")
+    if strategy == "single":
+        accumulate(Fabric(accelerator="cpu"), path)
+    else:
+        if strategy.startswith("deepspeed"):
+            pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+        two_ranks(strategy.split("_")[0]).run(accumulate, path, strategy=strategy)
+    saved = read(path)["model"]
     expected = reference_weights()
     assert saved.keys() == expected.keys()
     for name in expected:
