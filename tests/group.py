@@ -14,6 +14,7 @@ the API pays it once per session here instead of once per test. Tests whose subj
 """
 import multiprocessing
 import os
+import pickle
 import socket
 import sys
 import traceback
@@ -53,7 +54,7 @@ class Group:
             self.start()
         message = (case.__module__, case.__qualname__, args, strategy or self.family, impl, fabric_options)
         for _, connection in self.ranks:
-            connection.send(message)
+            connection.send_bytes(pickle.dumps(message))
         answers, failed = [None, None], None
         for rank, (process, connection) in enumerate(self.ranks):
             wait = GRACE if failed is not None else timeout
@@ -63,7 +64,7 @@ class Group:
                                 f"restarted for the next case)" + (f"; rank {failed[0]} failed:\n{failed[1]}"
                                                                    if failed else ""))
             try:
-                status, answers[rank] = connection.recv()
+                status, answers[rank] = pickle.loads(connection.recv_bytes())
             except (EOFError, OSError):  # the rank is gone
                 process.join(timeout=10)
                 self.close()
@@ -79,7 +80,7 @@ class Group:
     def close(self) -> None:
         for process, connection in self.ranks:
             try:
-                connection.send(None)
+                connection.send_bytes(pickle.dumps(None))
             except OSError:
                 pass
             process.join(timeout=10)
@@ -102,7 +103,7 @@ def _serve(rank: int, port: int, connection) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     environment = dict(os.environ)
     while True:
-        message = connection.recv()
+        message = pickle.loads(connection.recv_bytes())
         if message is None:
             break
         module, name, args, strategy, impl, options = message
@@ -113,11 +114,13 @@ def _serve(rank: int, port: int, connection) -> None:
             fabric_class = importlib.import_module("core.compat" if impl == "compat" else "core").Fabric
             fabric = fabric_class(accelerator="cpu", strategy=strategy, devices=2, **options)
             fabric.launch()
-            connection.send(("ok", case(fabric, *args)))
+            answer = ("ok", case(fabric, *args))
+            answer = pickle.dumps(answer)  # plain pickle, not multiprocessing's: tensors travel as bytes
         except BaseException:  # noqa: B036 - the rank reports whatever ended the case, and serves the next
-            connection.send(("error", traceback.format_exc()))
+            answer = pickle.dumps(("error", traceback.format_exc()))
         finally:
             os.environ.clear()  # a case's seed_everything leaves PL_GLOBAL_SEED for the next otherwise
             os.environ.update(environment)
+        connection.send_bytes(answer)
     dist.destroy_process_group()
     sys.exit(0)

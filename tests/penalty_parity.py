@@ -1,8 +1,9 @@
-"""Started by tests/test_gradient_penalty.py: 3 SGD steps of a small conv discriminator with an R1 penalty
-(weight 5) taken through `fabric.grad`, the batch of 8 split across the processes; rank 0 writes the final
-weights. One process on the whole batch (strategy single) is the reference.
+"""3 SGD steps of a small conv discriminator with an R1 penalty (weight 5) taken through `fabric.grad`, the batch
+of 8 split across the processes; the whole weights come back. tests/test_gradient_penalty.py runs it on 2 ranks of
+the session's group (tests/group.py) and, as the reference, on one process; this command runs the one-process
+reference of a strategy that needs its own process (DeepSpeed's engine on one device):
 
-    torchrun --nproc-per-node 2 tests/penalty_parity.py --strategy fsdp --precision bf16-mixed --out w.pt
+    python tests/penalty_parity.py --strategy deepspeed_stage_2 --precision bf16-mixed --out w.pt
 """
 import argparse
 
@@ -19,17 +20,9 @@ def discriminator():
                          nn.Flatten(), nn.Linear(16 * 4 * 4, 1))
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", default="single")
-    parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    # the penalty's backward runs through its gradient: said up front, so that ZeRO-2 keeps its gradients apart
-    fabric = Fabric(accelerator="cpu", strategy=args.strategy, devices=args.devices, precision=args.precision,
-                    needs={"second_backward"})
-    fabric.launch()
+def train(fabric, path: str) -> dict:
+    """The penalised steps under `fabric` (made with needs={"second_backward"}: the penalty's backward runs through
+    its gradient, so ZeRO-2 keeps its gradients apart); the whole weights, saved through `path`."""
     module = discriminator()
     model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.05))
     images = torch.randn(8, 1, 16, 16, generator=torch.Generator().manual_seed(1))
@@ -42,9 +35,21 @@ def main():
         optimizer.zero_grad()
         fabric.backward(F.softplus(-logits).mean() + penalty)
         optimizer.step()
-    fabric.save(f"{args.out}.ckpt", {"model": model})  # whole weights, whatever the strategy holds
-    if fabric.global_rank == 0:
-        torch.save(checkpoint.read(f"{args.out}.ckpt")["model"], args.out)
+    fabric.save(path, {"model": model})  # whole weights, whatever the strategy holds
+    fabric.barrier()
+    return checkpoint.read(path)["model"]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="single")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    fabric = Fabric(accelerator="cpu", strategy=args.strategy, devices=1, precision=args.precision,
+                    needs={"second_backward"})
+    fabric.launch()
+    torch.save(train(fabric, f"{args.out}.ckpt"), args.out)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Gradient penalties (R1, WGAN-GP) through set-up modules: `fabric.grad` on 2 processes equals one process on the
-whole batch under ddp and fsdp in each precision and under DeepSpeed ZeRO-1 and -2 (SGD, so a scaled or skipped
+whole batch under ddp and fsdp in each precision (on the session's 2-rank groups, tests/group.py) and under DeepSpeed ZeRO-1 and -2 (SGD, so a scaled or skipped
 gradient would show), what DeepSpeed cannot take refused with the reason, and the GAN's `--r1-gamma` in both
 variants."""
+import functools
 import importlib.util
 
 import pytest
@@ -10,6 +11,7 @@ from torch import nn
 
 from core import Fabric
 from tests.conftest import ROOT, TORCHRUN, run
+from tests.penalty_parity import discriminator, train
 
 SCRIPT = str(ROOT / "tests" / "penalty_parity.py")
 NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="the deepspeed extra")
@@ -18,21 +20,30 @@ NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 TOLERANCE = {"32-true": 1e-6, "bf16-mixed": 5e-4, "16-mixed": 5e-4}
 
 
-@pytest.mark.slow
+@functools.cache
+def one_process(strategy: str, precision: str, folder) -> dict:
+    """The reference: one process on the whole batch, once per session for each precision. DeepSpeed's bf16 holds
+    the module in bfloat16 (not autocast): its one process is the engine's too, in a process of its own."""
+    if strategy.startswith("deepspeed") and precision != "32-true":
+        out = folder / f"{strategy}-{precision}.pt"
+        run([SCRIPT, "--strategy", strategy, "--precision", precision, "--out", str(out)], timeout=300)
+        return torch.load(out)
+    fabric = Fabric(accelerator="cpu", precision=precision, needs={"second_backward"})
+    return train(fabric, str(folder / f"single-{precision}.ckpt"))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy, precision", [
     ("ddp", "32-true"), ("ddp", "bf16-mixed"), ("ddp", "16-mixed"), ("fsdp", "32-true"), ("fsdp", "bf16-mixed"),
     pytest.param("deepspeed_stage_1", "32-true", marks=NEEDS_DEEPSPEED),
     pytest.param("deepspeed_stage_2", "32-true", marks=NEEDS_DEEPSPEED),
     pytest.param("deepspeed_stage_2", "bf16-mixed", marks=NEEDS_DEEPSPEED)])
-def test_a_penalty_on_two_processes_equals_one_process_on_the_whole_batch(tmp_path, strategy, precision):
-    # DeepSpeed's bf16 holds the module in bfloat16 (not autocast): its one process is the engine's too
-    alone = ["--strategy", strategy] if strategy.startswith("deepspeed") and precision != "32-true" else []
-    run([SCRIPT, *alone, "--precision", precision, "--out", str(tmp_path / "one.pt")], timeout=300)
-    run([*TORCHRUN, SCRIPT, "--strategy", strategy, "--devices", "2", "--precision", precision, "--out",
-         str(tmp_path / "two.pt")], timeout=300)
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
-    initial = __import__("tests.penalty_parity", fromlist=["discriminator"]).discriminator().state_dict()
+def test_a_penalty_on_two_processes_equals_one_process_on_the_whole_batch(tmp_path, tmp_path_factory, two_ranks,
+                                                                          strategy, precision):
+    one = one_process(strategy, precision, tmp_path_factory.getbasetemp())
+    two = two_ranks(strategy.split("_")[0]).run(train, str(tmp_path / "two.ckpt"), strategy=strategy,
+                                                precision=precision, needs={"second_backward"})[0]
+    initial = discriminator().state_dict()
     assert max((one[k].float() - initial[k]).abs().max().item() for k in one) > 0.01  # it trained
     assert max((one[k].float() - two[k].float()).abs().max().item() for k in one) < TOLERANCE[precision]
 
