@@ -1,12 +1,14 @@
 """Shared test set-up: one thread per process, a private classifier cache, helpers to run the scripts."""
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from common.resume import resolve_run
 from core.seed import SEED_VARIABLE, WORKERS_VARIABLE
@@ -65,9 +67,34 @@ def two_ranks():
         started.close()
 
 
+def shared_root(tmp_path_factory) -> Path:
+    """This session's temporary folder that every pytest-xdist worker sees (each worker's basetemp is inside it)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A folder that `build(folder)` fills, built once per test session however many workers ask for it: the first
+    builds it under a file lock, the others wait for it (at most 20 minutes) and reuse it, read-only. A failed build
+    leaves nothing, so the next worker that asks builds it again and fails the same way."""
+    folder = shared_root(tmp_path_factory) / f"built-{name}"
+    with FileLock(f"{folder}.lock", timeout=1200):
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                build(folder)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            (folder / ".built").touch()
+    return folder
+
+
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("SUITE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    # one classifier cache for the session's workers (gan/score.py writes it atomically)
+    monkeypatch.setenv("SUITE_CACHE", str(shared_root(tmp_path_factory) / "cache"))
 
 
 @pytest.fixture(autouse=True)

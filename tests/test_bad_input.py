@@ -34,6 +34,7 @@ from core.cli import FabricFlags
 from core.strategies import STRATEGIES, SingleDevice, refusal
 from gan.config import Config as GanConfig
 from metalearn.config import Config as MetalearnConfig
+from tests.conftest import built_once
 
 CONFIGS = {"gan": GanConfig, "autoencoder": AutoencoderConfig, "metalearn": MetalearnConfig}
 MODULES = [f"{workload}.{variant}" for workload in CONFIGS for variant in ("train", "train_torch")]
@@ -159,17 +160,17 @@ def run(command: Command, work: Path) -> tuple[int, str]:
 def made(tmp_path_factory) -> Path:
     """run-MODULE: a tiny real run of each script; MODULE.ckpt: its checkpoint alone; run-MODULE-truncated and
     run-MODULE-garbage: the run with its checkpoint cut in half, or replaced by text."""
-    root = tmp_path_factory.mktemp("made")
-    for module in MODULES:
-        status, stderr = run(Command(module, [*flat(baseline(module)), "--out", f"run-{module}"], []), root)
-        assert status == 0, stderr
-        checkpoint = root / f"run-{module}" / "checkpoints" / "last.ckpt"
-        shutil.copy(checkpoint, root / f"{module}.ckpt")
-        for kind, text in (("truncated", checkpoint.read_bytes()[:checkpoint.stat().st_size // 2]),
-                           ("garbage", b"not a checkpoint\n")):
-            shutil.copytree(root / f"run-{module}", root / f"run-{module}-{kind}")
-            (root / f"run-{module}-{kind}" / "checkpoints" / "last.ckpt").write_bytes(text)
-    return root
+    def build(root):
+        for module in MODULES:
+            status, stderr = run(Command(module, [*flat(baseline(module)), "--out", f"run-{module}"], []), root)
+            assert status == 0, stderr
+            checkpoint = root / f"run-{module}" / "checkpoints" / "last.ckpt"
+            shutil.copy(checkpoint, root / f"{module}.ckpt")
+            for kind, text in (("truncated", checkpoint.read_bytes()[:checkpoint.stat().st_size // 2]),
+                               ("garbage", b"not a checkpoint\n")):
+                shutil.copytree(root / f"run-{module}", root / f"run-{module}-{kind}")
+                (root / f"run-{module}-{kind}" / "checkpoints" / "last.ckpt").write_bytes(text)
+    return built_once(tmp_path_factory, "bad-input-runs", build)  # once for the session's workers; copied, not used
 
 
 def snapshot(work: Path) -> dict:

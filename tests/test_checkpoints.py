@@ -13,7 +13,7 @@ from torch import nn
 
 from core import CheckpointError, Fabric, checkpoint
 from core.checkpoint import sharded
-from tests.conftest import run
+from tests.conftest import built_once, run
 
 ONE, TWO = ["single", "fsdp", "deepspeed_stage_2"], ["ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3"]
 
@@ -34,11 +34,11 @@ def _strategies(names):
 def saved(tmp_path_factory):
     """A checkpoint of each source: 3 steps of two models (Adam, SGD with momentum) under single (and as the
     plain scripts save), ddp, fsdp and DeepSpeed ZeRO-2 and -3 on 2 processes."""
-    root = tmp_path_factory.mktemp("matrix")
-    run(["tests/checkpoint_matrix.py", "--strategy", "single", "--plain", "--save", str(root)], timeout=300)
-    run(["tests/checkpoint_matrix.py", "--strategy", _strategies(TWO), "--devices", "2", "--save", str(root)],
-        timeout=400)
-    return root
+    def build(root):
+        run(["tests/checkpoint_matrix.py", "--strategy", "single", "--plain", "--save", str(root)], timeout=300)
+        run(["tests/checkpoint_matrix.py", "--strategy", _strategies(TWO), "--devices", "2", "--save", str(root)],
+            timeout=400)
+    return built_once(tmp_path_factory, "checkpoint-matrix", build)  # once for the session's workers
 
 
 @pytest.mark.slow

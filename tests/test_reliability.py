@@ -13,7 +13,7 @@ import torch
 from benchmarks.workloads import WORKLOADS as REGISTRY
 from benchmarks.workloads import flags
 from core.checkpoint import load_checkpoint
-from tests.conftest import HANG, ROOT, run
+from tests.conftest import HANG, ROOT, built_once, run
 
 # tiny settings that still take a few seconds, so a kill lands mid-run
 WORKLOADS = {name: flags({**w.generated_data, **w.small, "max_steps": w.crash_steps[0], "log_every": w.crash_steps[1],
@@ -151,9 +151,9 @@ def test_same_command_twice_gives_bitwise_identical_weights(tmp_path):
 # --- bad input: exit 2 and one line from the command line ---------------------------------------
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("finished")
-    run(["-m", "gan.train", *WORKLOADS["gan"][:-4], "--max-steps", "4", "--out", str(out)])
-    return out
+    def build(out):
+        run(["-m", "gan.train", *WORKLOADS["gan"][:-4], "--max-steps", "4", "--out", str(out)])
+    return built_once(tmp_path_factory, "finished-gan", build)  # once for the session's workers; only read
 
 
 def cli_error(args, tmp_path) -> str:
