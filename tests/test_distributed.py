@@ -165,36 +165,43 @@ def test_copies_of_a_set_up_model_and_optimizer_act_on_themselves_under_ddp(two_
                                "module_alone_plain": True}, way
 
 
+def _copy_refusals(fabric) -> list[str]:
+    module = nn.Linear(4, 4)
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    refusals = []
+    for copy_of in (copy.deepcopy, lambda obj: pickle.loads(pickle.dumps(obj))):
+        for obj in (model, optimizer):
+            try:
+                copy_of(obj)
+                refusals.append("copied")
+            except RuntimeError as error:
+                refusals.append(str(error))
+    return refusals
+
+
 COPY_REFUSED = """
-import copy, json, pickle, sys
-import torch
-from torch import nn
+import json, sys
 from core import Fabric
-fabric = Fabric(accelerator="cpu", strategy=sys.argv[1], devices=int(sys.argv[2]))
+from tests.test_distributed import _copy_refusals
+fabric = Fabric(accelerator="cpu", strategy=sys.argv[1], devices=1)
 fabric.launch()
-module = nn.Linear(4, 4)
-model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
-refusals = []
-for copy_of in (copy.deepcopy, lambda obj: pickle.loads(pickle.dumps(obj))):
-    for obj in (model, optimizer):
-        try:
-            copy_of(obj)
-            refusals.append("copied")
-        except RuntimeError as error:
-            refusals.append(str(error))
-if fabric.is_global_zero:
-    open(sys.argv[3], "w").write(json.dumps(refusals))
+open(sys.argv[2], "w").write(json.dumps(_copy_refusals(fabric)))
 """
 
 
-@pytest.mark.parametrize("strategy, devices", [("fsdp", 2), ("deepspeed_stage_2", 1)])
-def test_a_copy_of_a_model_its_strategy_changed_in_place_is_refused_with_what_to_do(tmp_path, strategy, devices):
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_stage_2"])
+def test_a_copy_of_a_model_its_strategy_changed_in_place_is_refused_with_what_to_do(tmp_path, two_ranks, strategy):
     """fsdp shards the model in place and DeepSpeed puts it in an engine: neither can copy it, so core refuses a
-    copy or pickle of the model, or of its optimizer (whose step holds the model), with what to do instead."""
-    script = tmp_path / "copy_refused.py"
-    script.write_text(COPY_REFUSED)
-    run([str(script), strategy, str(devices), str(tmp_path / "out.json")], timeout=300)
-    refusals = json.loads((tmp_path / "out.json").read_text())
+    copy or pickle of the model, or of its optimizer (whose step holds the model), with what to do instead. fsdp on
+    the session's 2 ranks, DeepSpeed's engine on one process of its own."""
+    if strategy == "fsdp":
+        refusals = two_ranks("fsdp").run(_copy_refusals)[0]
+    else:
+        pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+        script = tmp_path / "copy_refused.py"
+        script.write_text(COPY_REFUSED)
+        run([str(script), strategy, str(tmp_path / "out.json")], timeout=300)
+        refusals = json.loads((tmp_path / "out.json").read_text())
     assert len(refusals) == 4
     for refusal in refusals:
         assert refusal.startswith(f"A model set up under strategy={strategy!r} cannot be copied or pickled")
@@ -287,21 +294,8 @@ def _fsdp_checks(fabric):
     return {"error": error, "norm": float(norm)}
 
 
-def test_fsdp_refuses_an_optimizer_of_unsharded_parameters_and_clips(tmp_path):
-    """FSDP under spawn: the launcher's processes with the fsdp strategy, via a script."""
-    script = tmp_path / "fsdp_checks.py"
-    script.write_text(textwrap.dedent("""
-        import json, sys
-        from core import Fabric
-        from tests.test_distributed import _fsdp_checks
-        fabric = Fabric(accelerator="cpu", strategy="fsdp", devices=2)
-        fabric.launch()
-        result = _fsdp_checks(fabric)
-        if fabric.is_global_zero:
-            open(sys.argv[1], "w").write(json.dumps(result))
-    """))
-    run([str(script), str(tmp_path / "out.json")])
-    result = json.loads((tmp_path / "out.json").read_text())
+def test_fsdp_refuses_an_optimizer_of_unsharded_parameters_and_clips(two_ranks):
+    result = two_ranks("fsdp").run(_fsdp_checks)[0]
     assert "an optimizer built before setup_module holds the unsharded parameters" in result["error"]
     assert "fabric.setup(model, optimizer)" in result["error"] and result["norm"] > 0
 
@@ -317,31 +311,22 @@ def test_fsdp_checkpoint_resumes_on_one_process(tmp_path):
     assert load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["step"] == 5
 
 
-def test_deepspeed_takes_a_config_file_and_bf16(tmp_path):
+def _one_bf16_step(fabric) -> dict:
+    model = nn.Linear(4, 1)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    out = model(torch.randn(3, 4))
+    fabric.backward(out.sum())
+    optimizer.step()
+    engine = model._forward_module
+    return {"dtype": str(out.dtype), "bf16": engine.bfloat16_enabled(), "clipping": engine.gradient_clipping()}
+
+
+def test_deepspeed_takes_a_config_file_and_bf16(tmp_path, two_ranks):
     pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}))
-    script = tmp_path / "ds.py"
-    script.write_text(textwrap.dedent("""
-        import json, sys, torch
-        from torch import nn
-        from core import Fabric
-        fabric = Fabric(accelerator="cpu", strategy="deepspeed", devices=2, precision="bf16-mixed",
-                        config=sys.argv[1])
-        fabric.launch()
-        model = nn.Linear(4, 1)
-        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        out = model(torch.randn(3, 4))
-        fabric.backward(out.sum())
-        optimizer.step()
-        engine = model._forward_module
-        if fabric.is_global_zero:
-            open(sys.argv[2], "w").write(json.dumps({"dtype": str(out.dtype), "bf16": engine.bfloat16_enabled(),
-                                                      "clipping": engine.gradient_clipping()}))
-    """))
-    run([str(script), str(config), str(tmp_path / "out.json")], timeout=300)
-    assert json.loads((tmp_path / "out.json").read_text()) == {"dtype": "torch.float32", "bf16": True,
-                                                               "clipping": 1.0}
+    assert two_ranks("deepspeed").run(_one_bf16_step, precision="bf16-mixed", config=str(config))[0] == {
+        "dtype": "torch.float32", "bf16": True, "clipping": 1.0}
 
 
 def _batch_sampler_orders(fabric):
@@ -367,26 +352,18 @@ def test_a_batch_samplers_distributed_sampler_gets_each_epoch_under_ddp(two_rank
     assert orders[0][0] != orders[1][0]  # a new order each epoch
 
 
-def test_a_scheduler_built_after_setup_under_deepspeed_schedules_the_engines_optimizer(tmp_path):
+def _scheduled_steps(fabric) -> dict:
+    model = nn.Linear(4, 1)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # on what setup returned
+    for _ in range(3):
+        fabric.backward(model(torch.randn(3, 4)).sum())
+        optimizer.step()
+        scheduler.step()
+    return {"engine": model._forward_module.optimizer.param_groups[0]["lr"], "scheduler": scheduler.get_last_lr()}
+
+
+def test_a_scheduler_built_after_setup_under_deepspeed_schedules_the_engines_optimizer(two_ranks):
     pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
-    script = tmp_path / "sched.py"
-    script.write_text(textwrap.dedent("""
-        import json, sys, torch
-        from torch import nn
-        from core import Fabric
-        fabric = Fabric(accelerator="cpu", strategy="deepspeed_stage_2", devices=2)
-        fabric.launch()
-        model = nn.Linear(4, 1)
-        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # on what setup returned
-        for _ in range(3):
-            fabric.backward(model(torch.randn(3, 4)).sum())
-            optimizer.step()
-            scheduler.step()
-        engine = model._forward_module
-        if fabric.is_global_zero:
-            open(sys.argv[1], "w").write(json.dumps({"engine": engine.optimizer.param_groups[0]["lr"],
-                                                      "scheduler": scheduler.get_last_lr()}))
-    """))
-    run([str(script), str(tmp_path / "out.json")], timeout=300)
-    assert json.loads((tmp_path / "out.json").read_text()) == {"engine": 0.125, "scheduler": [0.125]}
+    assert two_ranks("deepspeed").run(_scheduled_steps, strategy="deepspeed_stage_2")[0] == {
+        "engine": 0.125, "scheduler": [0.125]}
