@@ -138,8 +138,9 @@ def test_the_score_puts_real_digits_at_the_floor_and_noise_and_one_class_far_fro
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy, precision", [("ddp", "32-true"), ("fsdp", "32-true"), ("fsdp", "bf16-mixed"),
-                                                 ("deepspeed_stage_2", "32-true"), ("deepspeed_stage_3", "32-true")])
+# ddp, fsdp in bf16-mixed and ZeRO-3 train the GAN on the default data in the README's commands
+# (tests/test_lifecycle.py::test_every_readme_command_runs); here the strategies those do not show
+@pytest.mark.parametrize("strategy, precision", [("fsdp", "32-true"), ("deepspeed_stage_2", "32-true")])
 @pytest.mark.slow
 def test_gan_trains_under_every_strategy_on_two_processes(tmp_path, strategy, precision):
     if strategy.startswith("deepspeed"):

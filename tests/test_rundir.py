@@ -360,13 +360,13 @@ def test_a_requeued_torchrun_job_with_resume_auto_continues_bitwise(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-# every workload's plain script under torchrun (rendezvous store not shared across restarts: docs/runs.md), and
-# the wrapped GAN under core's own store; each long enough that the kill lands between two checkpoints
+# a plain script under torchrun (rendezvous store not shared across restarts: docs/runs.md), and the wrapped GAN
+# under core's own store; each long enough that the kill lands between two checkpoints. The other plain scripts
+# restart the same way (torchrun starts the same command again, and --resume auto finds last.ckpt): their own
+# resume is test_each_resume_form_continues_in_the_right_directory's, per script
 RESTARTED = {
     "gan.train": ["--strategy", "ddp", "--devices", "2", *GAN_SMALL, "--max-steps", "120"],
     "gan.train_torch": [*GAN_SMALL, "--max-steps", "120"],
-    "autoencoder.train_torch": ["--batch-size", "8", "--width", "4", "--max-steps", "400"],
-    "metalearn.train_torch": ["--hidden", "16", "--eval-tasks", "10", "--max-steps", "400"],
 }
 
 
