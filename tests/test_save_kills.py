@@ -96,8 +96,6 @@ def uninterrupted(hook, tmp_path_factory):
     return of
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
 # every kill point under fsdp; DeepSpeed's partitions at the two that differ by what a strategy has written (its
 # files without the rest of the state; its checkpoint moved aside): the renames and removals after them are one
 # sequence for every sharded format (core/checkpoint/files.py)
@@ -105,6 +103,8 @@ CELLS = [("fsdp", point) for point in KILL_POINTS] + [("deepspeed_stage_2", KILL
                                                       ("deepspeed_stage_2", KILL_POINTS[2])]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy, point", CELLS)
 def test_a_save_killed_at_any_step_resumes_and_saves_on(hook, uninterrupted, tmp_path, strategy, point):
     if strategy.startswith("deepspeed"):
