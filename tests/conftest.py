@@ -78,8 +78,9 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
     builds it under a file lock, the others wait for it (at most 20 minutes) and reuse it, read-only. A failed build
     leaves nothing, so the next worker that asks builds it again and fails the same way."""
     folder = shared_root(tmp_path_factory) / f"built-{name}"
+    done = folder.with_name(f"{folder.name}.done")  # beside the folder: its users list what is in it
     with FileLock(f"{folder}.lock", timeout=1200):
-        if not (folder / ".built").exists():
+        if not done.exists():
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
             try:
@@ -87,7 +88,7 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
             except BaseException:
                 shutil.rmtree(folder, ignore_errors=True)
                 raise
-            (folder / ".built").touch()
+            done.touch()
     return folder
 
 
