@@ -80,9 +80,9 @@ MUTANTS = {
         "DeepSpeed clips every gradient to norm 1 unasked"),
     "fsdp_clip_uses_local_norm": (
         "core/strategies/fsdp.py",
-        "norm = total.full_tensor() if hasattr(total, \"full_tensor\") else total",
-        "norm = total.to_local() if hasattr(total, \"to_local\") else total",
-        "fsdp's clip_gradients returns this rank's share of the norm"),
+        "grads = [p.grad for p in params if p.grad is not None]",
+        "grads = [p.grad.to_local() for p in params if p.grad is not None]",
+        "fsdp's clip_gradients clips by the norm of this rank's shards"),
 }
 
 
@@ -111,8 +111,8 @@ def first_failure(tree: Path, pytest_args: list[str], log) -> tuple[str | None, 
                                  "-o", "addopts=-n 2 --dist worksteal", "-rf", *pytest_args], cwd=tree,
                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tree)})
         log.write(result.stdout[-20000:] + result.stderr[-5000:])
-        if result.returncode == 1:
-            failed = [line.split()[1] for line in result.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+        failed = [line.split()[1] for line in result.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+        if failed or result.returncode == 1:  # xdist's -x ends a run that failed as interrupted (exit 2)
             return (failed[0] if failed else "(failed, unnamed)"), time.monotonic() - start
         if result.returncode not in (0, 5):
             return f"(pytest exited {result.returncode})", time.monotonic() - start

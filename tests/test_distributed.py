@@ -277,7 +277,9 @@ def test_no_backward_sync_of_several_modules_and_clipping(two_ranks):
 
 
 def _fsdp_checks(fabric):
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    reference = copy.deepcopy(model)
     stale = torch.optim.SGD(model.parameters(), lr=0.1)  # built before sharding
     wrapped = fabric.setup_module(model)
     try:
@@ -286,18 +288,24 @@ def _fsdp_checks(fabric):
     except ValueError as exc:
         error = str(exc)
     optimizer = fabric.setup_optimizers(torch.optim.SGD(wrapped.parameters(), lr=0.1))
-    fabric.backward(wrapped(torch.randn(3, 4)).sum())
+    batch = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    fabric.backward(wrapped(batch[3 * fabric.global_rank:][:3]).sum())
     norm = fabric.clip_gradients(wrapped, optimizer, max_norm=1e-3)
     optimizer.step()
     with fabric.no_backward_sync(wrapped):
         fabric.backward(wrapped(torch.randn(3, 4)).sum())
-    return {"error": error, "norm": float(norm)}
+    # one process on both ranks' rows: FSDP averages the ranks' gradients
+    ((reference(batch[:3]).sum() + reference(batch[3:]).sum()) / 2).backward()
+    whole = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    return {"error": error, "norm": float(norm), "whole": float(whole)}
 
 
 def test_fsdp_refuses_an_optimizer_of_unsharded_parameters_and_clips(two_ranks):
-    result = two_ranks("fsdp").run(_fsdp_checks)[0]
-    assert "an optimizer built before setup_module holds the unsharded parameters" in result["error"]
-    assert "fabric.setup(model, optimizer)" in result["error"] and result["norm"] > 0
+    """... and clip_gradients returns the norm of the whole gradient on every rank, not of this rank's shard."""
+    result = two_ranks("fsdp").run(_fsdp_checks)
+    assert "an optimizer built before setup_module holds the unsharded parameters" in result[0]["error"]
+    assert "fabric.setup(model, optimizer)" in result[0]["error"]
+    assert [r["norm"] for r in result] == pytest.approx([result[0]["whole"]] * 2, rel=1e-5)
 
 
 @pytest.mark.slow
