@@ -19,6 +19,7 @@ The fraction of the machine is that sum over the step's time: the achieved FLOP/
 A large square matmul's rate stands beside it for scale. FLOPs count matmuls and convolutions only
 (elementwise work, the optimizer and the data are left out), as MAML's row in maml_speed.md counts them.
 """
+import os
 import statistics
 import tempfile
 import time
@@ -118,6 +119,8 @@ class Windows:
         self.per_step, self.warmup, self.timed, self.profiled = per_step, warmup, timed, profiled
         self.optimizer_steps, self.ends = 0, []
         self.counter, self.recorder = FlopCounterMode(display=False), Recorder()
+        if not torch.cuda.is_available():  # kineto's log (profiler_start, a failed gpuGetDeviceCount) says nothing here
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # (read when the first profiler starts)
         self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
     def __call__(self, optimizer, args, kwargs) -> None:

@@ -1,4 +1,5 @@
 """Result files: every result records the commit, the config, the library versions and the machine."""
+import importlib.metadata
 import json
 import os
 import platform
@@ -24,10 +25,9 @@ def environment() -> dict:
                                     capture_output=True, text=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = "unknown", False
-    try:
-        import deepspeed
-        deepspeed_version = deepspeed.__version__
-    except ImportError:
+    try:  # the installed version, without importing it (its import probes for accelerators and logs that)
+        deepspeed_version = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
         deepspeed_version = None
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()

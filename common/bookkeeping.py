@@ -2,10 +2,10 @@
 import time
 
 import torch
-from tqdm import tqdm
 
 from common.rundir import RunDir, cuda_peak
 from common.stopping import StopRequests, check_weights
+from common.terminal import progress_bar
 
 
 class Bookkeeping:
@@ -32,7 +32,7 @@ class Bookkeeping:
         the throughput in each record."""
         self.config, self.state, self.run, self.stop = config, state, run, stop
         self.examples_per_step = examples_per_step
-        self.progress = tqdm(total=config.max_steps, initial=state["step"], disable=not run.write, desc=name)
+        self.progress = progress_bar(total=config.max_steps, initial=state["step"], disable=not run.write, desc=name)
         self._since = (state["step"], time.perf_counter())  # the last log step and its time
 
     def end_step(self, step: int, loss: torch.Tensor, metrics) -> bool:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from common.loggers import LOGGERS, check_logger
 from common.resume import resolve_run
+from common.terminal import close_bars, keep_lines_whole
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,6 +76,9 @@ def parse(config_class, argv=None, prog=None, description=None):
             resolve_run(config, (prog or "").split(" -m ")[-1].split(".")[0])
         except ValueError as error:
             error_exit(prog, str(error))
+        except OSError as error:  # a path the system refuses to look at (a name too long, a folder it may not list)
+            error_exit(prog, f"cannot use {error.filename or 'the run directory'} ({error.strerror.lower()}); pass "
+                             f"another --out or --resume")
     try:  # after resolve_run, so that the flags a resume restored are checked too
         if hasattr(config, "check"):
             config.check()
@@ -88,12 +92,17 @@ def cli(main, *config_classes, prog: str, description: str = ""):
     FileNotFoundError the suite's own code raises) exits with status 2 and one line, a diverged run (FloatingPointError) or a rank that
     waited past the collective timeout (TimeoutError) with 1 and one line (an error marked `every_rank`, which
     all ranks raised together, is said by rank 0 alone); anything else is a bug and keeps its traceback. SUITE_TRACEBACK=1 in the environment keeps the traceback of the one-line errors too. Before such an exit, `config.on_failure()` (where the config
-    has one: core's flags) tells the launcher not to wait for the other ranks."""
+    has one: core's flags) tells the launcher not to wait for the other ranks. Every message starts a line of its own
+    beside the progress bar (common/terminal.py)."""
+    keep_lines_whole()
     config = parse(merge(*config_classes), prog=prog, description=description)
     failing = getattr(config, "on_failure", lambda: None)
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return main(config)
+        try:
+            return main(config)
+        finally:
+            close_bars()  # before any message: the bar's last state above it, the message the last line
     except (ValueError, FileNotFoundError) as error:
         if os.environ.get("SUITE_TRACEBACK", "0") not in ("", "0") or not raised_by_the_suite(error):
             raise

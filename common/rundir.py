@@ -12,6 +12,7 @@ import os
 import sys
 import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -215,8 +216,12 @@ def _check_shared(path: Path, write: bool, collectives) -> None:
     token = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}" if write else None
     created = write and not path.exists()
     if write:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / f".rank-0-{token}").touch()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / f".rank-0-{token}").touch()
+        except OSError as error:  # what _check_writable could not foresee (a name too long, a filesystem that changed)
+            raise ValueError(f"cannot write to the run directory {path} ({error.strerror.lower()}); pass a writable "
+                             f"--out") from error
     token = collectives.broadcast(token)
     seen = (path / f".rank-0-{token}").is_file()
     everywhere = _everywhere(collectives, seen)  # (every rank has looked before rank 0 removes the marker)
@@ -320,7 +325,14 @@ def _check_writable(path: Path) -> None:
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    reason = ("is a file" if not existing.is_dir() else
-              "permission denied" if not os.access(existing, os.W_OK | os.X_OK) else None)
-    if reason:
-        raise ValueError(f"cannot write to the run directory {path} ({existing} {reason}); pass a writable --out")
+    if not existing.is_dir():
+        reason = f"{existing} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        reason = f"{existing} permission denied"
+    else:  # os.access says yes to root everywhere: a read-only filesystem, /sys or /proc say no
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".writable-", dir=existing))
+            return
+        except OSError as error:
+            reason = f"{existing}: {error.strerror.lower()}"
+    raise ValueError(f"cannot write to the run directory {path} ({reason}); pass a writable --out")

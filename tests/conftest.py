@@ -127,6 +127,28 @@ def run(args, timeout=240, check=True, env=None, **kwargs):
     return result
 
 
+BAR = "%|"  # in every line tqdm draws
+
+
+def line_starting(output: str, start: str) -> int:
+    """The index of the line of `output` (split at newlines only: a bar's redraws share its line) that starts with
+    `start`; fails, showing the lines, when none does."""
+    lines = output.split("\n")
+    found = [i for i, line in enumerate(lines) if line.startswith(start)]
+    assert found, f"no line starts with {start!r}:\n" + "\n".join(repr(line[-160:]) for line in lines[-12:])
+    return found[0]
+
+
+def assert_whole_line(output: str, start: str) -> None:
+    """`start` begins a line of `output`; where a progress bar's line comes before it, that line ends with the
+    bar's last state (the message did not overwrite or clear it)."""
+    lines = output.split("\n")
+    at = line_starting(output, start)
+    bars = [line for line in lines[:at] if BAR in line]
+    if bars:
+        assert BAR in bars[-1].rsplit("\r", 1)[-1], bars[-1][-300:]
+
+
 def resolved(config_class, **fields):
     """`config_class(**fields)` as the command line gives it with these flags typed, after the run-directory rule
     (a resume takes the flags not typed from the run's config.json)."""

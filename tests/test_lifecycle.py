@@ -21,7 +21,7 @@ from common.config import RunConfig
 from common.rundir import RunDir
 from common.stopping import StopRequests
 from core.checkpoint import load_checkpoint
-from tests.conftest import HANG, ROOT, run
+from tests.conftest import HANG, ROOT, assert_whole_line, run
 from tests.test_readme_blocks import PAGES
 from tests.test_usability import EXPLAINED, WARNING
 
@@ -109,14 +109,15 @@ def test_every_readme_command_runs(tmp_path, where, command):
 
 # --- stopping a run on 2 processes -------------------------------------------------------------------
 
-def start(out: Path, *args: str, max_steps: int = 5000) -> subprocess.Popen:
-    """The autoencoder on its default data (digits) on 2 processes; long enough to be stopped mid-run."""
+def start(out: Path, *args: str, max_steps: int = 5000, one_pipe: bool = False) -> subprocess.Popen:
+    """The autoencoder on its default data (digits) on 2 processes; long enough to be stopped mid-run. `one_pipe`:
+    stderr into stdout, as a terminal shows both."""
     command = [sys.executable, "-m", "autoencoder.train", "--accelerator", "cpu", "--devices", "2",
                "--max-steps", str(max_steps),
                "--log-every", "10", "--out", str(out), *args]
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if one_pipe else subprocess.PIPE, text=True)
 
 
 def children_of(pid: int) -> list[int]:
@@ -161,17 +162,18 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step(tmp_path, strategy, s
     if strategy.startswith("deepspeed"):
         pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
     out = tmp_path / "run"
-    process = start(out, "--strategy", strategy)
+    process = start(out, "--strategy", strategy, one_pipe=True)
     wait_for_training(out, process)
     ranks = [process.pid, *other_ranks(process.pid)]
     assert len(ranks) == 2
     os.kill(ranks[0] if target == "rank 0" else ranks[1], signum)
-    stdout, stderr = process.communicate(timeout=HANG)
-    assert process.returncode == (130 if signum == signal.SIGINT else 0), stderr[-3000:]
-    assert "Traceback" not in stderr, stderr[-3000:]
+    output, _ = process.communicate(timeout=HANG)  # stdout and stderr, as a terminal shows them
+    assert process.returncode == (130 if signum == signal.SIGINT else 0), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
     assert not any(alive(pid) for pid in ranks), "a rank was left behind"
     name = signal.Signals(signum).name
-    step = int(re.search(rf"Stopped by {name} at step (\d+);", stdout).group(1))
+    assert_whole_line(output, f"Stopped by {name} at step")  # below the bar, whose last state stays above
+    step = int(re.search(rf"Stopped by {name} at step (\d+);", output).group(1))
     saved = out / "checkpoints" / "last.ckpt"
     assert 0 < step < 5000
     assert load_checkpoint(saved / "state.pt" if saved.is_dir() else saved)["step"] == step  # deepspeed: a folder
@@ -261,8 +263,8 @@ def test_an_error_only_rank_1_sees_ends_every_rank(tmp_path):
     ranks = ranks_of(process)
     _, stderr = process.communicate(timeout=HANG)
     assert process.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
-    assert "python -m autoencoder.train: error: rank 1 met bad data" in stderr
-    assert "[core] rank 1 exited with code 2; stopping all ranks." in stderr
+    assert_whole_line(stderr, "python -m autoencoder.train: error: rank 1 met bad data")  # after rank 0's bar
+    assert_whole_line(stderr, "[core] rank 1 exited with code 2; stopping all ranks.")
     assert len(ranks) == 2
     time.sleep(0.5)
     assert not any(alive(pid) for pid in ranks), "a rank was left behind"
@@ -291,7 +293,7 @@ def test_a_nan_on_one_rank_stops_every_rank_and_keeps_the_last_good_checkpoint(t
     _, stderr = process.communicate(timeout=180)
     assert process.returncode == 1, stderr[-3000:]
     assert "Traceback" not in stderr
-    assert "the loss is not finite at step 24" in stderr
+    assert_whole_line(stderr, "python -m autoencoder.train: stopped: the loss is not finite at step 24")  # each rank's
     state = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert state["step"] == 20
     assert all(torch.isfinite(value).all() for value in state["model"].values())

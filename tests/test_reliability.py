@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from benchmarks.workloads import WORKLOADS as REGISTRY
 from benchmarks.workloads import flags
 from core.checkpoint import load_checkpoint
-from tests.conftest import HANG, ROOT, built_once, run
+from tests.conftest import HANG, ROOT, assert_whole_line, built_once, run
 
 # tiny settings that still take a few seconds, so a kill lands mid-run
 WORKLOADS = {name: flags({**w.generated_data, **w.small, "max_steps": w.crash_steps[0], "log_every": w.crash_steps[1],
@@ -137,7 +138,7 @@ def test_diverged_run_on_the_command_line_is_one_line_and_exit_1(tmp_path):
     # Adam moves each weight by about lr per step, so weights of 1e30 overflow float32 in the next forward:
     # the run diverges right after its first update on any machine; an exit 0 means the loss check let it through
     assert result.returncode == 1, result.stderr
-    assert "python -m autoencoder.train: stopped: the loss is not finite at step" in result.stderr
+    assert_whole_line(result.stderr, "python -m autoencoder.train: stopped: the loss is not finite at step")
     assert "Traceback" not in result.stderr and "No checkpoint had been written yet" in result.stderr
 
 
@@ -215,7 +216,23 @@ def test_empty_data_root(tmp_path):
     assert "dataset 'folder' not found under" in message and "one sub-folder per class" in message
 
 
-def test_output_directory_that_cannot_be_written(tmp_path):
+@pytest.mark.parametrize("where", ["under a file", "under /sys"])
+def test_output_directory_that_cannot_be_written(tmp_path, where):
+    """One line and exit 2 before anything runs, as root too (os.access says yes to root for /sys, where mkdir
+    is refused)."""
+    if where == "under /sys" and not os.path.isdir("/sys"):
+        pytest.skip("no /sys on this system")
     (tmp_path / "a_file").write_text("")
-    message = cli_error(["--out", str(tmp_path / "a_file" / "run")], tmp_path)
-    assert "cannot write to the run directory" in message
+    out = tmp_path / "a_file" / "run" if where == "under a file" else Path("/sys/suite-run")
+    message = cli_error(["--out", str(out)], tmp_path)
+    assert f"cannot write to the run directory {out}" in message and "pass a writable --out" in message
+
+
+def test_an_output_directory_the_system_refuses_to_look_at_is_one_line(tmp_path, capsys):
+    """A name longer than the filesystem allows: stat raises before any check could ask (exit 2, one line)."""
+    from common.config import parse
+    from gan.config import Config
+    with pytest.raises(SystemExit) as exit:
+        parse(Config, ["--out", str(tmp_path / ("x" * 300))], prog="python -m gan.train")
+    lines = capsys.readouterr().err.splitlines()
+    assert exit.value.code == 2 and len(lines) == 1 and "(file name too long); pass another --out" in lines[0], lines
