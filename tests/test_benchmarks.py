@@ -105,9 +105,11 @@ def test_the_two_model_rows_plain_side_does_the_wrapped_sides_work(path):
 
 @pytest.mark.slow
 def test_an_injected_slowdown_turns_the_verdict_to_no():
-    """The test-only switch: a busy-wait of 30% of the plain step on the wrapped side, in a quick run."""
+    """The test-only switch: a busy-wait of 30% of the plain step on the wrapped side, in a quick run. The loop
+    alone must cost at least half of what it was sized for (it ran); no upper bound: on a busy machine it runs
+    slower than when it was sized (0.68 of the plain step seen in CI), which only makes the verdict surer."""
     row = overhead.run_row("32-true", quick=True, slowdown={"core": 0.3})
-    assert "--slowdown=core=0.3" in row["command"] and 0.15 < row["spin_alone"]["core"] < 0.6
+    assert "--slowdown=core=0.3" in row["command"] and row["spin_alone"]["core"] > 0.15
     assert paired.verdict(row["ratios"]["core"][row["clock"]]["interval"], overhead.target_of("32-true")) == "no"
 
 
