@@ -178,16 +178,16 @@ def largest_difference(built: dict, steps: int) -> float:
 
 
 def graph_walk_us(built: dict, repeats: int = 200) -> float:
-    """What finding the owner of D's loss in its autograd graph (core/validation.py module_of_loss, as
-    fabric.backward calls it) takes, in microseconds: median of `repeats`, on a real loss of the step."""
+    """What finding the owner of D's loss in its autograd graph (core/wrappers.py module_of_loss, as
+    DeepSpeed's backward calls it) takes, in microseconds: median of `repeats`, on a real loss of the step."""
     import statistics
     import time
 
-    from core import validation
+    from core.wrappers import module_of_loss
     loss, modules = built["loss"](), built["fabric"]._modules
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        validation.module_of_loss(loss, modules)
+        module_of_loss(loss, modules)
         times.append(time.perf_counter() - start)
     return 1e6 * statistics.median(times)

@@ -9,7 +9,7 @@ import torch
 from core import checkpoint, launcher
 from core.errors import CoreValueError
 from core.precision import PRECISIONS
-from core.strategies import NEEDS, STRATEGIES, SingleDevice, check_installed, refusal
+from core.strategies import NEEDS, STRATEGIES, check_installed, refusal, strategy_class
 from core.validation import ACCELERATORS, check_devices, device_kind, resolve_arguments
 
 
@@ -98,7 +98,7 @@ class FabricFlags:
         options = {"accelerator": self.accelerator, "strategy": self.strategy, "devices": devices,
                    "num_nodes": self.num_nodes, "precision": self.precision}
         strategy = resolve_arguments(*list(options.values())[:4])[1]  # "auto" as Fabric resolves it
-        if STRATEGIES[strategy][0] is not SingleDevice:  # one process has no collective to wait in
+        if strategy_class(strategy)[0].distributed:  # one process has no collective to wait in
             options["timeout"] = self.collective_timeout
         if self.needs():
             options["needs"] = self.needs()

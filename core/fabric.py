@@ -21,8 +21,9 @@ from core.loaders import setup_loader
 from core.optimizers import BackwardState, FabricOptimizer, OptimizerStep, wrap_optimizer
 from core.precision import make_precision
 from core.state import Checkpoints
-from core.strategies import STRATEGIES, SingleDevice, make_strategy
-from core.wrappers import FabricModule, compile_like, frozen_parameters, uncopyable, unwrap_compiled
+from core.strategies import STRATEGIES, make_strategy
+from core.wrappers import (FabricModule, compile_like, frozen_parameters, module_of_loss, uncopyable,
+                           unwrap_compiled)
 
 
 _NO_FUNCTION = object()  # launch() without a function (None is refused, as Lightning refuses it)
@@ -74,11 +75,9 @@ class Fabric(Collectives):
         self._optimizers_of = {}  # id(FabricModule) -> its wrapped optimizers
         self._modules = []  # FabricModules, in setup order
         self._checkpoints = Checkpoints(self._strategy, self._module_of)  # save and load
-        # backward is loss.backward() when neither a loss scaler nor an engine is involved; where one is, a set-up
-        # optimizer refuses to step on gradients that no fabric.backward made
-        self._backward = BackwardState(required=self._strategy.backward_needs_module,
-                                       scaled_only=type(self._strategy).backward is SingleDevice.backward
-                                       and not self._strategy.backward_needs_module)
+        # where an engine runs the backward or the loss is scaled, loss.backward() alone would skip that work: a
+        # set-up optimizer then refuses to step on gradients that no fabric.backward made
+        self._backward = BackwardState(required=self._strategy.backward_needs_module or self._precision.scales_loss)
 
     # --- launching --------------------------------------------------------------------------------
     def launch(self, function=_NO_FUNCTION, *args, **kwargs):
@@ -205,7 +204,6 @@ class Fabric(Collectives):
     def _register_optimizer(self, optimizer, module: FabricModule) -> FabricOptimizer:
         self._set_up_optimizers.add(optimizer)
         self._precision.add_optimizer(optimizer)
-        self._backward.required = self._backward.required or self._precision.steps_through_scaler(optimizer)
         wrapped = wrap_optimizer(optimizer, self._step_function(optimizer, module))
         self._module_of[id(wrapped)] = module
         self._optimizers_of[id(module)].append(wrapped)
@@ -225,16 +223,8 @@ class Fabric(Collectives):
         """`tensor.backward(*args, **kwargs)` through the strategy and precision (create_graph,
         retain_graph pass through). `model` says which set-up model this loss is for, where the
         strategy needs to know (DeepSpeed's engines) and the graph alone does not say."""
-        state = self._backward
-        if not state.required:
-            return tensor.backward(*args, **kwargs)
-        state.count += 1
-        if state.scaled_only:  # a loss scaler and the base strategy's backward: the scaled loss's own
-            return self._precision.scale_loss(tensor).backward(*args, **kwargs)
-        module = model
-        if module is None and self._strategy.backward_needs_module:
-            module = validation.module_of_loss(tensor, self._modules)
-        return self._strategy.backward(self._precision.scale_loss(tensor), module, *args, **kwargs)
+        self._backward.count += 1
+        self._strategy.backward(self._precision.scale_loss(tensor), model, *args, **kwargs)
 
     def grad(self, outputs, inputs, grad_outputs=None, create_graph: bool = True, model: FabricModule | None = None):
         """`torch.autograd.grad(outputs, inputs, grad_outputs, create_graph=create_graph)` through set-up modules,
@@ -244,7 +234,7 @@ class Fabric(Collectives):
         would for the loss; under fsdp the model's parameters stay gathered until its optimizer steps; DeepSpeed
         ZeRO-1 and -2 take it (ZeRO-2 with contiguous_gradients off), ZeRO-3 and DeepSpeed's float16 modes refuse
         it with the reason. `model`: as for backward."""
-        module = model if model is not None else validation.module_of_loss(
+        module = model if model is not None else module_of_loss(
             outputs if isinstance(outputs, torch.Tensor) else outputs[0], self._modules)
         optimizers = [wrapped.optimizer for wrapped in self._optimizers_of.get(id(module), [])]
         if create_graph:  # a backward through the gradient follows

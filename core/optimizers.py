@@ -15,9 +15,8 @@ class BackwardState:
     Where it is required, each set-up optimizer's step checks that fabric.backward ran since its last step (the
     count compared with the one it saw at its last step: no hook on any output)."""
 
-    def __init__(self, required: bool = False, scaled_only: bool = False):
+    def __init__(self, required: bool = False):
         self.required, self.count = required, 0
-        self.scaled_only = scaled_only  # the strategy's backward is the loss's own: only a scaler needs fabric.backward
 
     def missing(self) -> RuntimeError:
         """The error of an optimizer that found no fabric.backward since its last step."""

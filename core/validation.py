@@ -96,29 +96,6 @@ def owner_module(optimizer, modules: list) -> FabricModule:
         f"nn.Parameter belongs on a model too: `model.log_alpha = nn.Parameter(...)` before setup.")
 
 
-def module_of_loss(loss: torch.Tensor, modules: list) -> FabricModule:
-    """The one set-up module whose trainable parameters this loss reaches, found in its autograd graph."""
-    if len(modules) == 1:
-        return modules[0]
-    leaves, seen, stack = set(), set(), [loss.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        variable = getattr(fn, "variable", None)
-        if variable is not None:
-            leaves.add(id(variable))
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
-    owners = [m for m in modules if any(id(p) in leaves for p in m.parameters())]
-    if len(owners) == 1:
-        return owners[0]
-    names = ", ".join(type(m.module).__name__ for m in owners) or "none"
-    raise CoreValueError(f"Cannot tell which set-up model this loss is for: it reaches the parameters of {names}. "
-                         f"Pass it: `fabric.backward(loss, model=generator)`, or exclude the other model with "
-                         f"`with fabric.frozen(discriminator): ...` around its forward.")
-
-
 def check_launch_function(fn, args: tuple, kwargs: dict) -> None:
     """fabric.launch(fn, *args, **kwargs) runs fn(fabric, *args, **kwargs) in every process: check that fn takes
     those arguments before any process starts."""

@@ -268,3 +268,27 @@ def frozen_parameters(modules):
     finally:
         for p in params:
             p.requires_grad_(True)
+
+
+def module_of_loss(loss: torch.Tensor, modules: list) -> FabricModule:
+    """The one module of `modules` whose trainable parameters this loss reaches, found in its autograd graph
+    (set-up modules or DeepSpeed engines: each has parameters() and .module)."""
+    if len(modules) == 1:
+        return modules[0]
+    leaves, seen, stack = set(), set(), [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    owners = [m for m in modules if any(id(p) in leaves for p in m.parameters())]
+    if len(owners) == 1:
+        return owners[0]
+    names = ", ".join(type(m.module).__name__ for m in owners) or "none"
+    raise CoreValueError(f"Cannot tell which set-up model this loss is for: it reaches the parameters of {names}. "
+                         f"Pass it: `fabric.backward(loss, model=generator)`, or exclude the other model with "
+                         f"`with fabric.frozen(discriminator): ...` around its forward.")

@@ -56,7 +56,7 @@ BUGS = {
     "a copy of an optimizer steps the original": ("core/optimizers.py", [(
         'return share(self.__dict__, "strategy", "backward")',
         'return share(self.__dict__, "strategy", "backward", "optimizer")')], "single:32-true"),
-    "a loss without model= goes to the first model": ("core/validation.py", [(
+    "a loss without model= goes to the first model": ("core/wrappers.py", [(
         "    if len(modules) == 1:\n        return modules[0]",
         "    if len(modules) >= 1:\n        return modules[0]")], "deepspeed_stage_2:32-true"),
     "a sharded checkpoint read whole keeps DCP's flattened names": ("core/checkpoint/sharded.py", [(

@@ -335,6 +335,23 @@ def test_frozen_stops_parameter_gradients_but_not_input_gradients():
     assert all(p.requires_grad for p in discriminator.parameters())  # restored afterwards
 
 
+def test_a_gradient_through_two_models_without_model_is_refused_with_both_names():
+    """fabric.grad finds the model a penalty is for in the outputs' graph; through both models it cannot tell, and
+    says which models it reached and how to choose; with the other model frozen it can."""
+    fabric = Fabric(accelerator="cpu")
+    generator, discriminator = mlp(0), nn.Linear(2, 1)
+    generator, _ = fabric.setup(generator, torch.optim.SGD(generator.parameters(), lr=0.1))
+    discriminator, _ = fabric.setup(discriminator, torch.optim.SGD(discriminator.parameters(), lr=0.1))
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"it reaches the parameters of Sequential, Linear\. Pass it: "
+                                         r"`fabric.backward\(loss, model=generator\)`"):
+        fabric.grad(discriminator(generator(x)).sum(), x)
+    with fabric.frozen(discriminator):
+        outputs = discriminator(generator(x)).sum()
+    (gradient,) = fabric.grad(outputs, x)
+    assert gradient.shape == x.shape
+
+
 class TestPrecision:
     def test_bf16_mixed_autocasts_and_returns_float32(self):
         fabric = Fabric(accelerator="cpu", precision="bf16-mixed")

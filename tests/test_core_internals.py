@@ -179,10 +179,7 @@ def test_a_precision_added_through_the_registry(monkeypatch):
 class StaticLossScale(precisions.Precision):
     """A toy mode that owns a loss scale, as 16-mixed owns its scalers: the loss times 1024 in backward, the
     gradients divided back before the optimizer steps. Fabric only hands it the loss and the optimizer."""
-    name, passthrough = "static-scale", False
-
-    def steps_through_scaler(self, optimizer) -> bool:
-        return True
+    name, passthrough, scales_loss = "static-scale", False, True
 
     def scale_loss(self, loss, optimizers=None):
         return loss * 1024

@@ -27,11 +27,10 @@ class ModeForward:
     """`module`'s forward under `mode` (Precision.forward_of). An object rather than a closure, so that copying a
     set-up module (`copy.deepcopy`, pickle) copies the module it calls, and shares the mode (core/shared.py)."""
 
-    __slots__ = ("module", "mode", "converts_input")
+    __slots__ = ("module", "mode")
 
     def __init__(self, module: torch.nn.Module, mode: "Precision"):
         self.module, self.mode = module, mode
-        self.converts_input = type(mode).convert_input is not Precision.convert_input  # mixed modes: not
 
     def __getstate__(self):
         return share({name: getattr(self, name) for name in self.__slots__}, "mode")
@@ -42,8 +41,7 @@ class ModeForward:
 
     def __call__(self, *args, **kwargs):
         mode = self.mode
-        if self.converts_input:
-            args, kwargs = mode.convert_input((args, kwargs))
+        args, kwargs = mode.convert_input((args, kwargs))
         with mode.forward_context():
             output = self.module(*args, **kwargs)
         return mode.convert_output(output)
@@ -55,6 +53,7 @@ class Precision:
     name = "32-true"
     dtype = torch.float32
     passthrough = True  # forward, backward and step are the user's own calls; a mode that adds work says False
+    scales_loss = False  # True where backward must take the scaled loss, so loss.backward() alone is not enough
 
     def __init__(self, device: torch.device):
         self.device_type = device.type
@@ -89,10 +88,6 @@ class Precision:
     # by the scale that backward used, and a backward-then-step per model (a GAN) updates after each step.
     def add_optimizer(self, optimizer) -> None:
         pass
-
-    def steps_through_scaler(self, optimizer) -> bool:
-        """True when `optimizer.step()` must go through `optimizer_step` (the scaler) rather than be its own."""
-        return self.scaler is not None
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` times the loss scale; `loss` itself where no scaler is."""

@@ -48,6 +48,7 @@ class Float16Mixed(BFloat16Mixed):
 
     name = "16-mixed"
     dtype = torch.float16
+    scales_loss = True
 
     def add_optimizer(self, optimizer) -> None:
         if self.scaler is None:

@@ -1,25 +1,24 @@
 """DeepSpeed strategy: ZeRO stages 1-3 (and CPU offload), one engine per set-up model.
 
-DeepSpeed is imported only when this strategy is chosen. On CPU it runs on DeepSpeed's CPU
-accelerator over gloo; on CUDA over NCCL. Each `setup(model, optimizer)` makes one engine, so a GAN
-has two; a wrapped optimizer steps its own engine, and `fabric.backward(loss)` finds the engine
-from the loss's graph (or `model=`). DeepSpeed does its own loss scaling and bf16/fp16 conversion,
-so core's autocast and GradScaler stay off under this strategy.
+DeepSpeed is imported only when this strategy is chosen. On CPU it runs on DeepSpeed's CPU accelerator over gloo; on
+CUDA over NCCL. Each `setup(model, optimizer)` makes one engine, so a GAN has two; a wrapped optimizer steps its own
+engine, and `fabric.backward(loss)` finds the engine from the loss's graph (or `model=`). DeepSpeed does its own loss
+scaling and bf16/fp16 conversion, so core's autocast and GradScaler stay off under this strategy.
 
-The config core builds changes nothing in the math of a step: DeepSpeed's gradient clipping (its
-default is 1.0) is off unless the config sets it, and the offload modes step the user's own optimizer
-on the CPU copy of the weights instead of insisting on DeepSpeed's CPUAdam. The strategy's name gives
-the ZeRO stage and offload; a user config may add to them but not contradict them.
+The config core builds changes nothing in the math of a step: DeepSpeed's gradient clipping (its default is 1.0) is
+off unless the config sets it, and the offload modes step the user's own optimizer on the CPU copy of the weights
+instead of insisting on DeepSpeed's CPUAdam. The strategy's name gives the ZeRO stage and offload; a user config may
+add to them but not contradict them.
 
-A checkpoint is a directory: one DeepSpeed checkpoint per engine (tag = the key in `state`; every rank
-writes its own partitions), plus `state.pt` for the plain values and each engine's stage and number of
-processes. It is written to a temporary directory and renamed into place. Loaded under the same stage and
-number of processes, the engines read it themselves, each rank its own files. Anywhere else (another
-number of processes or stage, another strategy) `read_deepspeed` merges the partitions into the logical
-checkpoint (DeepSpeed's zero_to_fp32 layout, for the optimizer state too), and a DeepSpeed engine takes a
-logical checkpoint of any origin by setting each parameter's slice of its partitions. DeepSpeed's own
-files are pickles of more than tensors: every one is read with `weights_only=True` and a short list of
-allowed DeepSpeed and Python types, so a file carrying anything else is refused unread.
+A checkpoint is a directory: one DeepSpeed checkpoint per engine (tag = the key in `state`; every rank writes its own
+partitions), plus `state.pt` for the plain values and each engine's stage and number of processes. It is written to a
+temporary directory and renamed into place. Loaded under the same stage and number of processes, the engines read it
+themselves, each rank its own files. Anywhere else (another number of processes or stage, another strategy)
+`read_deepspeed` merges the partitions into the logical checkpoint (DeepSpeed's zero_to_fp32 layout, for the
+optimizer state too), and a DeepSpeed engine takes a logical checkpoint of any origin by setting each parameter's
+slice of its partitions. DeepSpeed's own files are pickles of more than tensors: every one is read with
+`weights_only=True` and a short list of allowed DeepSpeed and Python types, so a file carrying anything else is
+refused unread.
 """
 import copy
 import importlib
@@ -39,6 +38,7 @@ from core.errors import CoreRuntimeError, CoreTypeError, CoreValueError
 from core.precision.engine import EnginePrecision
 from core.strategies.ddp import DDP
 from core.strategies.shares import Zero3Shares
+from core.wrappers import module_of_loss
 
 
 def import_deepspeed(strategy: str, device_type: str) -> None:
@@ -96,6 +96,7 @@ class DeepSpeed(DDP):
             raise CoreTypeError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}.")
         self.user_config = config
         self._names = {}  # id(optimizer) -> the names of its parameters per group, for checkpoints
+        self._engines = []  # one per set-up model: a loss without model= goes to the one its graph reaches
         import_deepspeed(self.name, device.type)  # imports DeepSpeed on this device's accelerator
         self.config()  # refuse a config that contradicts the strategy's name now, not at setup
 
@@ -171,6 +172,7 @@ class DeepSpeed(DDP):
             self._names[id(optimizers[0])] = checkpoint.parameter_names(optimizers[0], module)
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizers[0] if optimizers else None,
                                                config=self.config(), dist_init_required=False)
+        self._engines.append(engine)
         if optimizers and engine.optimizer is not optimizers[0]:
             # ZeRO now steps the optimizer on its flat fp32 partitions, so the optimizer's own zero_grad would
             # clear their gradient buffers (which offload keeps between steps) instead of the module's gradients
@@ -185,7 +187,8 @@ class DeepSpeed(DDP):
         if args or kwargs.get("create_graph"):
             raise CoreValueError("DeepSpeed's engine.backward takes no gradient argument and cannot create a graph "
                                  "for higher-order gradients; use strategy='ddp' or 'fsdp' for that.")
-        module._forward_module.backward(loss, retain_graph=kwargs.get("retain_graph", False))
+        engine = module._forward_module if module is not None else module_of_loss(loss, self._engines)
+        engine.backward(loss, retain_graph=kwargs.get("retain_graph", False))
 
     def optimizer_step(self, optimizer, module, **kwargs):
         if kwargs:
@@ -207,18 +210,16 @@ class DeepSpeed(DDP):
                                    f"(DeepSpeed {_version()}; or use strategy='ddp' or 'fsdp').")
 
     def clip_gradients(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
-        # ZeRO moves gradients into its partitions during backward and clips them inside engine.step
         raise CoreRuntimeError(
-            f"DeepSpeed clips gradients inside its engine's step, so fabric.clip_gradients cannot "
-            f"run between backward and step. Ask the engine instead: Fabric(strategy={self.name!r}, "
-            f"config={{'gradient_clipping': {max_norm}}}) clips the 2-norm of each model's gradients "
-            f"to {max_norm} at every step.")
+            f"DeepSpeed clips gradients inside its engine's step, so fabric.clip_gradients cannot run between "
+            f"backward and step. Ask the engine instead: Fabric(strategy={self.name!r}, config={{'gradient_clipping': "
+            f"{max_norm}}}) clips the 2-norm of each model's gradients to {max_norm} at every step.")
 
     def clip_gradients_by_value(self, module, optimizer, clip_val):
         raise CoreRuntimeError(
-            f"DeepSpeed clips gradients by norm only, inside its engine's step, so "
-            f"fabric.clip_gradients(clip_val=...) cannot run under it. Clip by norm through the config "
-            f"instead: Fabric(strategy={self.name!r}, config={{'gradient_clipping': MAX_NORM}}).")
+            f"DeepSpeed clips gradients by norm only, inside its engine's step, so fabric.clip_gradients(clip_val=...) "
+            f"cannot run under it. Clip by norm through the config instead: Fabric(strategy={self.name!r}, "
+            f"config={{'gradient_clipping': MAX_NORM}}).")
 
     # --- checkpoints ------------------------------------------------------------------------------
     def parameter_names(self, optimizer, wrapped_module):
