@@ -7,19 +7,11 @@ path and changes nothing in its working directory; never a traceback. It runs in
 would (runpy, sys.argv, the run directory's at-exit work at its end), in a fresh directory holding the files it
 names; a failing case prints as its command line.
 """
-import contextlib
 import dataclasses
-import io
-import os
-import runpy
 import shlex
 import shutil
-import signal
-import sys
 import tempfile
-import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,13 +20,13 @@ from hypothesis import strategies as st
 
 from autoencoder.config import Config as AutoencoderConfig
 from benchmarks.workloads import WORKLOADS
-from common import rundir
 from common.config import merge
 from core.cli import FabricFlags
 from core.strategies import STRATEGIES, SingleDevice, refusal
 from gan.config import Config as GanConfig
 from metalearn.config import Config as MetalearnConfig
 from tests.conftest import built_once
+from tests.in_process import run_module
 
 CONFIGS = {"gan": GanConfig, "autoencoder": AutoencoderConfig, "metalearn": MetalearnConfig}
 MODULES = [f"{workload}.{variant}" for workload in CONFIGS for variant in ("train", "train_torch")]
@@ -117,52 +109,13 @@ def commands(draw, module: str) -> Command:
     return Command(module, args + [item for value in drawn for item in value], [*flags, *names, *told])
 
 
-class TooLong(BaseException):
-    """Raised by SIGALRM in a command that runs too long; a BaseException, so that no `except` stops it."""
-
-
-def run(command: Command, work: Path) -> tuple[int, str]:
-    """Run `command` in `work` as `python -m` would: its exit status and its stderr (warnings included)."""
-    at_exit, stderr, environment = [], io.StringIO(), dict(os.environ)
-
-    def too_long(signum, frame):
-        raise TooLong(f"{command!r} ran for more than 30 s")
-
-    previous = signal.signal(signal.SIGALRM, too_long)
-    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings(record=True) as warned, \
-            contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
-        warnings.simplefilter("default")
-        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
-            warnings.simplefilter("ignore", category)  # as Python's own filters, without -W and -X dev
-        # runpy's note that another test imported the module already: `python -m` starts without it
-        warnings.filterwarnings("ignore", message=".* found in sys.modules after import of package")
-        patch.chdir(work)
-        patch.setattr(sys, "argv", [command.module, *command.args])
-        patch.setattr(rundir, "atexit", SimpleNamespace(register=lambda *call: at_exit.append(call)))
-        signal.alarm(30)
-        try:
-            runpy.run_module(command.module, run_name="__main__", alter_sys=True)
-            status = 0
-        except SystemExit as stop:
-            status = stop.code or 0
-        finally:
-            signal.alarm(0)
-            signal.signal(signal.SIGALRM, previous)
-            for function, *args in reversed(at_exit):  # this process's exit, which runs them last-in first
-                function(*args)
-            os.environ.clear()
-            os.environ.update(environment)
-    shown = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in warned)
-    return status, stderr.getvalue() + shown
-
-
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> Path:
     """run-MODULE: a tiny real run of each script; MODULE.ckpt: its checkpoint alone; run-MODULE-truncated and
     run-MODULE-garbage: the run with its checkpoint cut in half, or replaced by text."""
     def build(root):
         for module in MODULES:
-            status, stderr = run(Command(module, [*flat(baseline(module)), "--out", f"run-{module}"], []), root)
+            status, stderr = run_module(module, [*flat(baseline(module)), "--out", f"run-{module}"], root)
             assert status == 0, stderr
             checkpoint = root / f"run-{module}" / "checkpoints" / "last.ckpt"
             shutil.copy(checkpoint, root / f"{module}.ckpt")
@@ -191,7 +144,7 @@ def check(command: Command, made: Path) -> None:
                 (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, work / entry.name)
         before = snapshot(work)
         try:
-            status, stderr = run(command, work)
+            status, stderr = run_module(command.module, command.args, work)
             after = snapshot(work)
         finally:
             (work / "unreadable").chmod(0o700)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from core.checkpoint import read
-from tests.conftest import HANG, ROOT
+from tests.conftest import HANG, ROOT, built_once
 
 FAULTS = '''
 import os, shutil, signal
@@ -84,15 +84,14 @@ def hook(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(hook, tmp_path_factory):
-    weights = {}
-
+    """The weights of the run no kill stopped, per strategy: built once for the session's workers (the cells of one
+    strategy run on both)."""
     def of(strategy):
-        if strategy not in weights:
-            out = tmp_path_factory.mktemp(strategy) / "run"
-            result = train(hook, out, strategy)
+        def build(folder):
+            result = train(hook, folder / "run", strategy)
             assert result.returncode == 0, result.stderr[-3000:]
-            weights[strategy] = read(out / "checkpoints" / "last.ckpt")["model"]
-        return weights[strategy]
+        folder = built_once(tmp_path_factory, f"save-kills-{strategy}", build)
+        return read(folder / "run" / "checkpoints" / "last.ckpt")["model"]
     return of
 
 
