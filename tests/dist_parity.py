@@ -74,35 +74,40 @@ def max_diff(a, b):
 
 
 def check(args, strategy, optimizer_name):
-    """One case: N steps on this rank's part of the batch, then save -> load -> continue. Returns
-    (result, whether this process is rank 0)."""
+    """One case in processes this script starts (or torchrun did): (result, whether this process is rank 0)."""
     fabric = Fabric(accelerator="cpu", strategy=strategy, devices=args.devices, num_nodes=args.num_nodes)
     fabric.launch()  # the first case starts the processes; later ones find them started
+    return compare(fabric, optimizer_name, args.split_setup, args.steps), fabric.is_global_zero
+
+
+def compare(fabric, optimizer_name: str, split_setup: bool = False, steps: int = 5) -> dict:
+    """One case on a launched Fabric: N steps on this rank's part of the batch, then save -> load -> continue,
+    against one plain process on the whole batch (also a case for the tests' 2-rank groups, tests/group.py)."""
     model = make_model()
-    if args.split_setup:
+    if split_setup:
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(make_optimizer(model.parameters(), optimizer_name))
     else:
         model, optimizer = fabric.setup(model, make_optimizer(model.parameters(), optimizer_name))
-    train(fabric, model, optimizer, args.steps)
+    train(fabric, model, optimizer, steps)
     weights = full_weights(fabric, model)
 
     # save -> load into a fresh model -> continue == uninterrupted run of 2 x steps
     with tempfile.TemporaryDirectory() as tmp:
         path = fabric.broadcast(f"{tmp}/ckpt")
-        fabric.save(path, {"model": model, "optimizer": optimizer, "step": args.steps})
-        train(fabric, model, optimizer, args.steps)
+        fabric.save(path, {"model": model, "optimizer": optimizer, "step": steps})
+        train(fabric, model, optimizer, steps)
         uninterrupted = full_weights(fabric, model)
         fresh = make_model()
         fresh, fresh_optimizer = fabric.setup(fresh, make_optimizer(fresh.parameters(), optimizer_name))
         state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
         fabric.load(path, state)
-        train(fabric, fresh, fresh_optimizer, args.steps)
+        train(fabric, fresh, fresh_optimizer, steps)
         resumed = full_weights(fabric, fresh)
         fabric.barrier()
-    reference = plain(args.steps, optimizer_name)
+    reference = plain(steps, optimizer_name)
     return {"max_abs_diff": max_diff(weights, reference), "world_size": fabric.world_size,
-            "resumed_max_abs_diff": max_diff(resumed, uninterrupted), "step": state["step"]}, fabric.is_global_zero
+            "resumed_max_abs_diff": max_diff(resumed, uninterrupted), "step": state["step"]}
 
 
 def main():

@@ -12,28 +12,20 @@ import torch
 from torch import nn
 
 from core import compat
+from tests import dist_parity
 from tests.conftest import HANG, ROOT, run
 from tests.test_core import Grouped
 
 pytestmark = pytest.mark.multiprocess
 
 
-def parity(tmp_path, *args):
-    out = tmp_path / "result.json"
-    run(["tests/dist_parity.py", *args, "--out", str(out)], timeout=300)
-    (result,) = json.loads(out.read_text()).values()
-    return result
-
-
-@pytest.mark.parametrize("args", [
-    ["--strategy", "ddp"],
-    ["--strategy", "ddp", "--optimizer", "sgd"],
-    ["--strategy", "fsdp"],
-    ["--strategy", "fsdp", "--split-setup"],
-], ids=lambda a: "-".join(x.lstrip("-") for x in a))
-def test_two_processes_match_one_process_on_the_full_batch(tmp_path, args):
-    """DeepSpeed's modes have theirs in test_deepspeed.py, all in one launch."""
-    result = parity(tmp_path, *args)
+@pytest.mark.parametrize("strategy, optimizer, split_setup", [
+    ("ddp", "adam", False), ("ddp", "sgd", False), ("fsdp", "adam", False), ("fsdp", "sgd", True),
+], ids=["ddp", "ddp-sgd", "fsdp", "fsdp-sgd-split-setup"])
+def test_two_processes_match_one_process_on_the_full_batch(two_ranks, strategy, optimizer, split_setup):
+    """On the session's 2-rank group (the script, tests/dist_parity.py, runs the same comparison under torchrun's
+    two nodes below); DeepSpeed's modes have theirs in test_deepspeed.py, all in one launch."""
+    result, _ = two_ranks(strategy).run(dist_parity.compare, optimizer, split_setup)
     assert result["world_size"] == 2
     assert result["max_abs_diff"] < 1e-6
     assert result["resumed_max_abs_diff"] == 0.0  # save -> load -> continue == uninterrupted
