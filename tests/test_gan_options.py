@@ -15,7 +15,7 @@ from core.cli import FabricFlags
 from gan import train, train_torch
 from gan.augment import Augment, cutout, translation
 from gan.config import Config
-from tests.conftest import resolved, run
+from tests.conftest import built_once, resolved, run
 
 # the default digits, small models: a few seconds a run
 SMALL = {"batch_size": 8, "ngf": 8, "ndf": 8, "nz": 16, "eval_samples": 64, "log_every": 2, "sample_every": 1000}
@@ -148,15 +148,17 @@ def ema_of(run_dir):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_stage_3"])
-def test_sharded_ema_equals_ddp_and_resumes(tmp_path, strategy):
-    """The averages of each rank's shards, put together, are the ddp run's; a resumed run gives the same."""
+def test_sharded_ema_equals_ddp_and_resumes(tmp_path_factory, tmp_path, strategy):
+    """The averages of each rank's shards, put together, are the ddp run's (one run for both cells, built once for
+    the session's workers); a resumed run gives the same."""
     if strategy.startswith("deepspeed"):
         pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
     common = ["-m", "gan.train", *ARGS, "--accelerator", "cpu", "--devices", "2", "--eval-every", "2"]
-    run([*common, "--strategy", "ddp", "--max-steps", "4", "--out", str(tmp_path / "ddp")], timeout=300)
+    ddp = built_once(tmp_path_factory, "ema-ddp", lambda folder: run(
+        [*common, "--strategy", "ddp", "--max-steps", "4", "--out", str(folder / "ddp")], timeout=300))
     run([*common, "--strategy", strategy, "--max-steps", "2", "--out", str(tmp_path / "half")], timeout=300)
     run([*common, "--strategy", strategy, "--max-steps", "4", "--resume", str(tmp_path / "half")], timeout=300)
-    assert_close(ema_of(tmp_path / "half"), ema_of(tmp_path / "ddp"), rtol=1e-4, atol=1e-5)
+    assert_close(ema_of(tmp_path / "half"), ema_of(ddp / "ddp"), rtol=1e-4, atol=1e-5)
     summary = json.loads((tmp_path / "half" / "summary.json").read_text())
     assert summary["best_step"] in (2, 4) and (tmp_path / "half" / "checkpoints" / "best.ckpt").exists()
 
