@@ -4,8 +4,10 @@ plain file `python -m core.convert` writes, and the safety of every format."""
 import json
 import os
 import pickle
+import re
 import shutil
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -293,6 +295,66 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_never_loaded(saved, tmp
     assert damaged in message or "the zip's end is missing" in message or "/data/" in message, message
 
 
+def _hashed_at_a_save(fabric, path: str) -> dict:
+    """The files under the staging folder this rank hashed while fabric.save wrote a directory checkpoint."""
+    from core.checkpoint import integrity
+
+    staging, real, seen = checkpoint.staging(Path(path)), integrity.digest, []
+
+    def counted(file):
+        seen.append(str(Path(file).relative_to(staging)))
+        return real(file)
+    layer = nn.Linear(64, 64)
+    if fabric.strategy.joint_setup:  # DeepSpeed: one engine of both
+        model, optimizer = fabric.setup(layer, torch.optim.Adam(layer.parameters()))
+    else:  # fsdp: the optimizer over the sharded parameters
+        model = fabric.setup_module(layer)
+        optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters()))
+    fabric.backward(model(torch.randn(4, 64)).square().mean())
+    optimizer.step()
+    integrity.digest = counted
+    try:
+        fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
+    finally:
+        integrity.digest = real
+    return {"rank": fabric.global_rank, "hashed": seen}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family, own", [("fsdp", "__{rank}_"), ("deepspeed", "zero_pp_rank_{rank}_")])
+def test_each_rank_hashes_the_files_it_wrote_and_rank_0_only_the_rest(two_ranks, tmp_path, family, own):
+    """At a sharded save every rank hashes its own files for the manifest; rank 0 merges them and hashes what no
+    rank wrote alone (state.pt, DCP's .metadata), so no rank reads the whole checkpoint; the manifest checks."""
+    if family == "deepspeed":
+        pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+    path = tmp_path / "ckpt"
+    ranks = two_ranks(family).run(_hashed_at_a_save, str(path))
+    hashed = [set(rank["hashed"]) for rank in ranks]
+    listed = set(json.loads((path / "manifest.json").read_text())["files"])
+    assert hashed[0] | hashed[1] == listed and not hashed[0] & hashed[1], (hashed, listed)
+    for rank, other in ((0, 1), (1, 0)):
+        assert any(own.format(rank=rank) in name for name in hashed[rank]), hashed
+        assert not any(own.format(rank=other) in name for name in hashed[rank]), hashed
+    assert "state.pt" in hashed[0]
+    assert checkpoint.integrity.problems(path) == ([], None)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("source", ["fsdpx2", "deepspeed_stage_2x2"])
+def test_a_directory_checkpoint_whose_manifest_was_deleted_is_refused(saved, tmp_path, source):
+    """Its state.pt says the save wrote manifest.json, so without it the checkpoint is refused like a changed byte
+    (not loaded as one saved before checksums existed)."""
+    if not (saved / source).exists():
+        pytest.skip(f"{source} was not saved (DeepSpeed not installed)")
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saved / source / "ckpt", copy)
+    (copy / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=rf"^The checkpoint {re.escape(str(copy))} changed after it was saved "
+                                              r".*: manifest.json: missing, though its state.pt says the save wrote "
+                                              r"one\. It was not loaded"):
+        Fabric(accelerator="cpu").load(copy)
+
+
 @pytest.mark.multiprocess
 def test_a_checkpoint_saved_without_checksums_loads_with_a_note(saved, tmp_path, capfd):
     """What core wrote before it recorded checksums (a directory without manifest.json) and torch's legacy
@@ -300,6 +362,9 @@ def test_a_checkpoint_saved_without_checksums_loads_with_a_note(saved, tmp_path,
     copy = tmp_path / "ckpt"
     shutil.copytree(saved / "fsdpx2" / "ckpt", copy)
     (copy / "manifest.json").unlink()
+    wrapper = torch.load(copy / "state.pt", weights_only=True)
+    del wrapper["checksums"]  # as core wrote state.pt before it recorded checksums
+    torch.save(wrapper, copy / "state.pt")
     assert Fabric(accelerator="cpu").load(copy)
     model = nn.Linear(4, 4)
     torch.save({"model": model.state_dict()}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)

@@ -246,6 +246,22 @@ def safe_loader(**defaults):
     return load
 
 
+def save_engine(engine, directory: Path, tag: str) -> list[str]:
+    """`engine.save_checkpoint` of this rank's part under `directory/tag`; the files this rank wrote (each goes
+    through the engine's checkpoint engine's `save`), for its hashes (integrity.write_rank_hashes)."""
+    written, save = [], engine.checkpoint_engine.save
+
+    def recorded(state_dict, path, *args, **kwargs):
+        written.append(path)
+        return save(state_dict, path, *args, **kwargs)
+    engine.checkpoint_engine.save = recorded  # shadows the class's save for this call
+    try:
+        engine.save_checkpoint(str(directory), tag=tag, save_latest=False)
+    finally:
+        del engine.checkpoint_engine.save
+    return written
+
+
 @contextlib.contextmanager
 def safe_loads(checkpoint_engine, version: str):
     """Within: every file DeepSpeed reads through this engine's checkpoint engine (the files of this rank,

@@ -105,8 +105,11 @@ def staging(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-def save_checkpoint(state: dict, path) -> None:
-    atomic_save({"format": FORMAT, "version": VERSION, "state": state}, path)
+def save_checkpoint(state: dict, path, with_manifest: bool = False) -> None:
+    """`state` in core's wrapper; `with_manifest`: the file is a directory checkpoint's state.pt, and the save
+    writes the directory's manifest.json (integrity.py), which a load then requires."""
+    promise = {integrity.PROMISE: integrity.MANIFEST} if with_manifest else {}
+    atomic_save({"format": FORMAT, "version": VERSION, "state": state, **promise}, path)
 
 
 def clear_directory(tmp: Path, rank: int, barrier) -> None:

@@ -93,10 +93,10 @@ def save(path, state: dict, rank: int, barrier, stop_together=_alone, group=None
         with _alone_is_intended():
             # a tensor every rank holds whole is written once; by rank 0, whose copy a one-process save or the
             # plain scripts would keep (BatchNorm statistics that differ per rank: DCP's default picks any rank)
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=alone,
+            dcp.save(tensors, storage_writer=HashingWriter(str(tmp), rank, sync_files=True), no_dist=alone,
                      planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True), process_group=group)
         if rank == 0:  # DCP's save returns once every rank's files are written
-            files.save_checkpoint(rest, tmp / STATE)
+            files.save_checkpoint(rest, tmp / STATE, with_manifest=True)
             (tmp / files.CREATED).unlink(missing_ok=True)  # clear_directory's, not part of the checkpoint
             integrity.write_manifest(tmp)
     except BaseException as error:  # (DCP's CheckpointException is one) no space: said together; the rest: as is
@@ -185,8 +185,24 @@ def read_full(path) -> dict:
 
 try:
     from torch.distributed.checkpoint import FileSystemReader as _Reader
-except ImportError:  # torch built without distributed: nothing sharded to read
-    _Reader = object
+    from torch.distributed.checkpoint import FileSystemWriter as _Writer
+except ImportError:  # torch built without distributed: nothing sharded to read or write
+    _Reader = _Writer = object
+
+
+class HashingWriter(_Writer):
+    """DCP's file writer that hashes this rank's files once it has written them (integrity.write_rank_hashes),
+    before DCP's final gather, so that rank 0 finds every rank's hashes when it writes the manifest."""
+
+    def __init__(self, path, rank: int, **options):
+        super().__init__(path, **options)
+        self.rank = rank
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)  # (DCP's file writer is done when it returns)
+        root = Path(str(self.path))
+        integrity.write_rank_hashes(root, self.rank, {root / r.storage_data.relative_path for r in future.wait()})
+        return future
 
 
 class SafeReader(_Reader):

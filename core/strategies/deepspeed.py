@@ -79,8 +79,7 @@ class DeepSpeed(DDP):
     moves_module = False  # the engine places the module
     options_key = None  # DeepSpeed takes its options in the config
 
-    def __init__(self, device, precision, stage: int | None = None, offload: bool = False, config=None,
-                 timeout=None):
+    def __init__(self, device, precision, stage: int | None = None, offload: bool = False, config=None, timeout=None):
         """`stage` None takes the stage from the config (2 if it has none); core's STRATEGIES give each
         `deepspeed_stage_*` name its fixed stage and offload. `timeout`: as for ddp."""
         super().__init__(device, precision, timeout=timeout)
@@ -241,11 +240,11 @@ class DeepSpeed(DDP):
         tmp = checkpoint.staging(path)
         checkpoint.clear_directory(tmp, self.global_rank, self.barrier)
         key_of = {id(value.wrapped): key for key, value in state.items() if isinstance(value, checkpoint.InEngine)}
-        plain, problem = {}, None
+        plain, problem, written = {}, None, []
         try:
             for key, value in state.items():
-                if isinstance(value, checkpoint.InEngine):  # every rank writes its own partitions
-                    value.wrapped._forward_module.save_checkpoint(str(tmp), tag=key, save_latest=False)
+                if isinstance(value, checkpoint.InEngine):  # every rank writes (and hashes) its own partitions
+                    written += deepspeed_checkpoint.save_engine(value.wrapped._forward_module, tmp, key)
                     shapes = {name: list(getattr(p, "ds_shape", p.shape))
                               for name, p in value.wrapped.module.named_parameters()}
                     plain[key] = {"deepspeed_tag": key, "world_size": self.world_size, "stage": self.stage,
@@ -258,9 +257,10 @@ class DeepSpeed(DDP):
                     plain[key] = {**value, "optimizer": {"deepspeed_tag": key_of[id(value["optimizer"].wrapped)]}}
                 else:
                     plain[key] = value
+            checkpoint.integrity.write_rank_hashes(tmp, self.global_rank, written)
             self.barrier()
             if self.global_rank == 0:
-                checkpoint.save_checkpoint(plain, tmp / checkpoint.STATE)
+                checkpoint.save_checkpoint(plain, tmp / checkpoint.STATE, with_manifest=True)
         except BaseException as error:  # a full disk: the ranks share its filesystem, so each finds it at the
             if not space.lack_of_space(error):  # same file (a disk full for one rank only leaves the others in
                 raise  # DeepSpeed's barriers until --collective-timeout)
