@@ -21,7 +21,7 @@ from core.checkpoint import integrity, space
 from core.checkpoint.names import indexed_optimizer_state, is_optimizer_entry, named_optimizer_state
 from core.errors import CheckpointError, CoreValueError
 
-STATE = "state.pt"  # in a sharded or DeepSpeed checkpoint directory: everything that is not a tensor
+STATE = integrity.STATE  # in a sharded or DeepSpeed checkpoint directory: everything that is not a tensor
 CREATED = ".created-by-rank-0"  # in a checkpoint directory being written: that every rank sees rank 0's folder
 
 FORMAT = "core-checkpoint"

@@ -26,6 +26,7 @@ import torch
 import xxhash
 
 MANIFEST = "manifest.json"
+STATE = "state.pt"  # a directory checkpoint's file of everything that is not a tensor (files.STATE)
 PROMISE = "checksums"  # the key of state.pt's wrapper that names the manifest the save wrote
 RANK_HASHES = ".hashes-{rank}.json"  # a rank's hashes of the files it wrote, until write_manifest merges them
 CHUNK = 4 << 20  # bytes read at a time, into one buffer (a new one per read costs more than the hash, where large
@@ -119,8 +120,6 @@ def problems(path, rank: int = 0, world_size: int = 1) -> tuple[list[str], str |
 def _promised(directory: Path) -> bool:
     """Whether the directory's state.pt says its save wrote a manifest (False where state.pt cannot be read: the
     load then says what is wrong with it)."""
-    from core.checkpoint.files import STATE  # (files imports this module)
-
     try:
         wrapper = torch.load(directory / STATE, map_location="cpu", weights_only=True)
     except Exception:
