@@ -196,12 +196,12 @@ class HashingWriter(_Writer):
 
     def __init__(self, path, rank: int, **options):
         super().__init__(path, **options)
-        self.rank = rank
+        self.hashing_rank = rank  # (not `rank`: DCP sets that to the rank in its group)
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)  # (DCP's file writer is done when it returns)
         root = Path(str(self.path))
-        integrity.write_rank_hashes(root, self.rank, {root / r.storage_data.relative_path for r in future.wait()})
+        integrity.write_rank_hashes(root, self.hashing_rank, {root / r.storage_data.relative_path for r in future.wait()})
         return future
 
 
