@@ -21,9 +21,9 @@ class TooLong(BaseException):
     """Raised by SIGALRM in a command that runs too long; a BaseException, so that no `except` stops it."""
 
 
-def run_module(module: str, args: list[str], work: Path, seconds: int = 30) -> tuple[int, str]:
+def run_module(module: str, args: list[str], work: Path, seconds: int = 30, stdout=None) -> tuple[int, str]:
     """Run `python -m module *args` in `work`, in this process as `python -m` would: its exit status and its
-    stderr (warnings included)."""
+    stderr (warnings included); its stdout goes to `stdout` (a text stream) where given."""
     at_exit, stderr, environment = [], io.StringIO(), dict(os.environ)
 
     def too_long(signum, frame):
@@ -31,7 +31,7 @@ def run_module(module: str, args: list[str], work: Path, seconds: int = 30) -> t
 
     previous = signal.signal(signal.SIGALRM, too_long)
     with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings(record=True) as warned, \
-            contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+            contextlib.redirect_stdout(stdout or io.StringIO()), contextlib.redirect_stderr(stderr):
         warnings.simplefilter("default")
         for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
             warnings.simplefilter("ignore", category)  # as Python's own filters, without -W and -X dev

@@ -1,6 +1,7 @@
 """The benchmark harness on tiny configs: it runs, writes well-formed results, and shows a failing figure
 as failing. No timing is asserted here."""
 import dataclasses
+import io
 import json
 import os
 import random
@@ -13,6 +14,7 @@ import torch
 from benchmarks import calibrate, maml_speed, overhead, paired, parity, record, steps, two_models
 from benchmarks import run as bench
 from benchmarks.workloads import WORKLOADS
+from tests.in_process import run_module
 
 
 @pytest.fixture
@@ -580,38 +582,19 @@ def test_the_machine_part_counts_one_step_of_the_default_command():
 
 HELP_MODULES = ["cadence", "calibrate", "compare", "evaluation", "gpu_check", "machine", "overhead", "run",
                 "checkpoint", "plain_fsdp"]
-ANSWER_HELP = """
-import contextlib, io, json, runpy, sys
-answers = {}
-answers_file, modules = sys.argv[1], sys.argv[2:]
-for module in modules:
-    out, err, code = io.StringIO(), io.StringIO(), None
-    sys.argv = [module, "--help"]
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_module(f"benchmarks.{module}", run_name="__main__", alter_sys=True)
-        except SystemExit as stop:
-            code = stop.code
-        except BaseException as error:
-            code = f"{type(error).__name__}: {error}"
-    answers[module] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
-open(answers_file, "w").write(json.dumps(answers))
-"""
 
 
-def test_every_benchmark_command_answers_help(tmp_path):
+def test_every_benchmark_command_answers_help(tmp_path, monkeypatch):
     """`python -m benchmarks.<module> --help` prints its usage and exits 0 (a % in a help text broke it once).
-    The ten run in one process, each as `python -m` runs it (runpy, as __main__), so they pay one start, not ten."""
-    import subprocess
-    import sys
-    # (benchmarks.checkpoint re-executes itself to set glibc's mmap threshold unless it is set: set here, so the
-    # process stays this one)
-    subprocess.run([sys.executable, "-c", ANSWER_HELP, tmp_path / "answers.json", *HELP_MODULES], cwd=record.ROOT,
-                   capture_output=True, timeout=300, check=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
-    answers = json.loads((tmp_path / "answers.json").read_text())
-    wrong = {module: (answer["code"], answer["stderr"][-500:]) for module, answer in answers.items()
-             if answer["code"] not in (0, None) or not answer["stdout"].strip() or "Traceback" in answer["stderr"]}
-    assert sorted(answers) == sorted(HELP_MODULES) and not wrong, wrong
+    Each runs in this process as `python -m` runs it (tests/in_process.py), so the ten pay no interpreter start."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")  # else benchmarks.checkpoint re-executes itself to set it
+    wrong = {}
+    for module in HELP_MODULES:
+        stdout = io.StringIO()
+        status, stderr = run_module(f"benchmarks.{module}", ["--help"], tmp_path, stdout=stdout)
+        if status != 0 or not stdout.getvalue().strip() or "Traceback" in stderr:
+            wrong[module] = (status, stderr[-500:])
+    assert not wrong, wrong
 
 
 def test_a_part_that_runs_alone_pastes_its_results_into_its_readme_section(results, tmp_path, monkeypatch):

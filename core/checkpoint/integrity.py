@@ -54,8 +54,8 @@ def _entry(path: Path) -> dict:
 def write_rank_hashes(directory: Path, rank: int, written) -> None:
     """This rank's entries for the files it wrote (`written`: paths under `directory`), for write_manifest."""
     directory = Path(directory)
-    entries = {str(Path(p).relative_to(directory)): _entry(Path(p)) for p in sorted(set(map(str, written)))
-               if Path(p).is_file()}  # (one the writer did not leave there: rank 0 lists what is there)
+    files = {Path(p) for p in written if Path(p).is_file()}  # (one the writer did not leave: rank 0 lists what is)
+    entries = {str(path.relative_to(directory)): _entry(path) for path in files}
     (directory / RANK_HASHES.format(rank=rank)).write_text(json.dumps(entries))
 
 

@@ -201,7 +201,8 @@ class HashingWriter(_Writer):
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)  # (DCP's file writer is done when it returns)
         root = Path(str(self.path))
-        integrity.write_rank_hashes(root, self.hashing_rank, {root / r.storage_data.relative_path for r in future.wait()})
+        written = {root / result.storage_data.relative_path for result in future.wait()}
+        integrity.write_rank_hashes(root, self.hashing_rank, written)
         return future
 
 
